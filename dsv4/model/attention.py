@@ -1,0 +1,165 @@
+"""DeepSeek-V4 attention: one shared K=V head with a sink, a sliding window on every layer, and on
+compressed layers the entries of a KV compressor (all of them for HCA, the indexer's top-k for CSA).
+
+The layers here own the weights and the per-token maths. Where keys come from is the business of an
+``AttentionBackend`` passed to ``forward``: the dense reference backend (``dense.py``) builds every key
+from the full sequence; the engine's cached backend reads and writes the KV cache through a step plan.
+Both hand the layer the same things, so the maths is written once.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .ops import apply_rope, index_scores, pool_windows, rms_norm, rope_cos_sin, sink_attention, topk_mask
+from .rope import layer_inv_freq
+
+
+class AttentionBackend(Protocol):
+    """Where an attention layer's keys come from. N tokens are grouped as [G, Tq] for attention."""
+
+    positions: torch.Tensor  # [N] absolute positions
+
+    def group(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [G, Tq, ...]"""
+
+    def ungroup(self, x: torch.Tensor) -> torch.Tensor:
+        """[G, Tq, ...] -> [N, ...]"""
+
+    def window(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's kv [N, D] -> sliding-window keys [G, K, D] and visibility [G, Tq, K]."""
+
+    def compressed(self, layer_id: int, name: str, comp: "Compressor", kv: torch.Tensor,
+                   score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's compressor rows (kv, score: [N, coff*D'] fp32; name "main" or "indexer") ->
+        compressed entries [G, E, D'] and causal visibility [G, Tq, E] (entry w visible from position t
+        iff w < (t+1) // ratio). Entries are made with ``comp.pool``."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of ``ratio`` tokens into one entry. Ratio 4 overlaps (coff = 2): each token emits an
+    A-half (feeds the next window) and a B-half (its own window), so an entry pools 8 token slots."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        self.coff = 2 if ratio == 4 else 1
+        self.wkv = nn.Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
+        self.wgate = nn.Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.empty(ratio, self.coff * head_dim, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+        self.inv_freq: torch.Tensor | None = None  # the layer's rope table, set by the attention layer
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token rows: kv and score = gate + ape[pos % ratio], both [N, coff*D] fp32."""
+        kv = self.wkv(x).float()
+        score = self.wgate(x).float() + self.ape.float()[positions % self.ratio]
+        return kv, score
+
+    def pool(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, valid: torch.Tensor,
+             window_pos: torch.Tensor) -> torch.Tensor:
+        """Make M entries from their windows' token rows.
+
+        kv_rows, score_rows: [M, coff*ratio, coff*D] — for coff = 2 the first ``ratio`` rows are the
+        previous window's tokens (their A-half [:D] is used), the last ``ratio`` rows the window's own
+        tokens (their B-half [D:]); for coff = 1 just the window's tokens. valid: [M, coff*ratio] bool.
+        window_pos: [M] the window start w*ratio, the entry's RoPE position. Returns [M, D] fp32.
+        """
+        D, r = self.head_dim, self.ratio
+        if self.coff == 2:
+            kv_rows = torch.cat((kv_rows[:, :r, :D], kv_rows[:, r:, D:]), dim=1)
+            score_rows = torch.cat((score_rows[:, :r, :D], score_rows[:, r:, D:]), dim=1)
+        pooled = rms_norm(pool_windows(kv_rows, score_rows, valid), self.norm.weight, self.norm.eps)
+        cos, sin = rope_cos_sin(self.inv_freq, window_pos)
+        return apply_rope(pooled, cos, sin)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: scores the compressed entries per query, keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg, 4, self.head_dim)
+
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               visible: torch.Tensor, backend: AttentionBackend, layer_id: int) -> torch.Tensor:
+        """Returns the selection [G, Tq, E] (a subset of ``visible``)."""
+        kv, score = self.compressor.project(x, backend.positions)
+        keys, _ = backend.compressed(layer_id, "indexer", self.compressor, kv, score)  # [G, E, dI]
+        q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
+        q = apply_rope(q, cos, sin)
+        w = self.weights_proj(x)  # [N, nI]
+        scores = index_scores(backend.group(q), backend.group(w), keys, self.n_heads, self.head_dim)
+        return topk_mask(scores, visible, self.topk)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, compress_ratio: int):
+        super().__init__()
+        self.cfg, self.layer_id, self.compress_ratio = cfg, layer_id, compress_ratio
+        d, H, D, q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+        self.wq_a = nn.Linear(d, q, bias=False)
+        self.q_norm = RMSNorm(q, cfg.norm_eps)
+        self.wq_b = nn.Linear(q, H * D, bias=False)
+        self.wkv = nn.Linear(d, D, bias=False)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        # grouped output projection: each group of H/g heads -> o_lora, then all groups -> d
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.compressor = Compressor(cfg, compress_ratio, D) if compress_ratio > 0 else None
+        self.indexer = Indexer(cfg) if compress_ratio == 4 else None
+        self.init_tables()
+
+    def init_tables(self, device=None):
+        """(Re)compute the rope table on ``device`` (after loading weights built on the meta device)."""
+        self.inv_freq = layer_inv_freq(self.cfg, self.compress_ratio).to(device)
+        for comp in (self.compressor, self.indexer.compressor if self.indexer else None):
+            if comp is not None:
+                comp.inv_freq = self.inv_freq
+
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """x: [N, d] (attn-normed) -> [N, d]."""
+        cfg, N = self.cfg, x.shape[0]
+        H, D = cfg.num_heads, cfg.head_dim
+        cos, sin = rope_cos_sin(self.inv_freq, backend.positions)  # [N, R/2]
+
+        c_q = self.q_norm(self.wq_a(x))  # [N, q_lora], reused by the indexer
+        q = self.wq_b(c_q).view(N, H, D)
+        q = apply_rope(rms_norm(q, None, cfg.norm_eps), cos, sin)  # per-head unweighted norm, then rope
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, D]: the single K=V head
+
+        keys, mask = backend.window(self.layer_id, kv)
+        if self.compressor is not None:
+            ckv, cscore = self.compressor.project(x, backend.positions)
+            entries, visible = backend.compressed(self.layer_id, "main", self.compressor, ckv, cscore)
+            if self.indexer is not None:
+                visible = self.indexer.select(x, c_q, cos, sin, visible, backend, self.layer_id)
+            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
+            mask = torch.cat((mask, visible), dim=-1)
+
+        o = sink_attention(backend.group(q), keys, mask, self.attn_sink, D ** -0.5)
+        o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too
+        g = cfg.o_groups
+        o = o.reshape(N, g, H * D // g)
+        wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
+        o = torch.einsum("ngi,goi->ngo", o, wo_a)  # [N, g, o_lora]
+        return self.wo_b(o.flatten(1))
+

@@ -1,0 +1,69 @@
+"""A transformer block (attention then MoE, each wrapped in mHC) and the MTP block built on it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import Attention, AttentionBackend, RMSNorm
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, compress_ratio: int, is_hash: bool):
+        super().__init__()
+        self.cfg = cfg
+        n, d = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        self.attn_norm = RMSNorm(d, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_id, compress_ratio)
+        self.ffn = MoE(cfg, is_hash)
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, n * d, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+
+    def _hc_pre(self, X: torch.Tensor, site: str):
+        c = self.cfg
+        return hc_pre(X, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def forward(self, X: torch.Tensor, backend: AttentionBackend, token_ids: torch.Tensor) -> torch.Tensor:
+        """X: [N, n, d] streams; token_ids: [N] (for hash routing) -> [N, n, d]."""
+        u, post, comb = self._hc_pre(X, "attn")
+        X = hc_post(self.attn(self.attn_norm(u), backend), X, post, comb)
+        u, post, comb = self._hc_pre(X, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(u), token_ids), X, post, comb)
+
+
+class MTPBlock(Block):
+    """The MTP module: predicts token t+2 from the main model's last-layer streams at t (before hc_head)
+    and the embedding of token t+1. A full block (sliding-window attention only, scored MoE) with its own
+    hc_head and norm; the embedding and the lm head are the main model's."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id, compress_ratio=0, is_hash=False)
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.enorm = RMSNorm(d, cfg.norm_eps)
+        self.hnorm = RMSNorm(d, cfg.norm_eps)
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * d, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, X: torch.Tensor, next_embed: torch.Tensor, backend: AttentionBackend,
+                next_ids: torch.Tensor) -> torch.Tensor:
+        """X: [N, n, d] streams at t; next_embed: [N, d] = Emb(token t+1) -> the MTP streams [N, n, d]."""
+        e = self.e_proj(self.enorm(next_embed))  # [N, d], broadcast to every stream
+        X = self.h_proj(self.hnorm(X)) + e.unsqueeze(1)  # hnorm normalises each stream
+        return super().forward(X, backend, next_ids)
+
+    def head_input(self, X: torch.Tensor) -> torch.Tensor:
+        """MTP streams -> the normed vector the shared lm head reads: [N, d]."""
+        c = self.cfg
+        return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps))

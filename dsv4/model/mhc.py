@@ -1,0 +1,49 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream is n parallel copies of the hidden state.
+
+A sub-block (attention or MoE) reads a weighted sum of the streams (``pre``), and writes its output back
+spread over the streams (``post``) plus a doubly-stochastic mix of the old streams (``comb``, Sinkhorn).
+All mixing maths in fp32. X: [N, n, d].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """W v with v = flatten(X) / rms(flatten(X)) (unweighted RMS over all n*d values): [N, rows]."""
+    flat = X.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return flat @ fn.float().t()
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
+           eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n])."""
+    n = X.shape[1]
+    m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + eps  # [N, n]
+    post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])  # [N, n]
+    comb = scale[2] * m[:, 2 * n:].view(-1, n, n) + base[2 * n:].view(n, n)  # [N, j, k]
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # columns first
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    u = torch.einsum("nj,njd->nd", pre, X.float())
+    return u.to(X.dtype), post, comb
+
+
+def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_k = post_k * y + sum_j comb[j, k] * X_j (the sum runs over the FIRST index of comb)."""
+    out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("njk,njd->nkd", comb, X.float())
+    return out.to(X.dtype)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams before the output norm: [N, n, d] -> [N, d]."""
+    m = _mix_logits(X, fn, norm_eps)  # [N, n]
+    pre = torch.sigmoid(scale.float()[0] * m + base.float()) + eps
+    return torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype)

@@ -1,0 +1,92 @@
+"""Mixture of experts: sqrt-softplus scores, a selection-only bias, hash routing on the first layers,
+routed SwiGLU experts with the swiglu clamp, and one shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .ops import swiglu
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        self.cfg, self.is_hash = cfg, is_hash
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if is_hash:  # token id -> its fixed experts
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_experts_per_tok, dtype=torch.long))
+        else:  # shifts the selection only, never the weights
+            self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, d] -> (weights [N, k] fp32, expert ids [N, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.cfg.score_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.cfg.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.is_hash:
+            ids = self.tid2eid[token_ids]
+        else:
+            ids = (scores + self.bias.float()).topk(self.cfg.n_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.cfg.score_func != "softmax":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.cfg.route_scale, ids
+
+
+class Experts(nn.Module):
+    """Routed experts, stacked: w1/w3 [E, I, d], w2 [E, d, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, I, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size
+        self.limit = cfg.swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(E, I, d))
+        self.w2 = nn.Parameter(torch.empty(E, d, I))
+        self.w3 = nn.Parameter(torch.empty(E, I, d))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns fp32 [N, d]."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            rows, slot = torch.where(ids == e)
+            xe = x[rows]
+            h = swiglu(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.limit)  # [n_e, I] fp32
+            h = (h * weights[rows, slot].unsqueeze(-1)).to(x.dtype)  # routing weight before w2, as DeepSeek
+            y.index_add_(0, rows, (h @ self.w2[e].t()).float())
+        return y
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, I = cfg.hidden_size, cfg.moe_inter_dim
+        self.limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0
+        self.w1 = nn.Linear(d, I, bias=False)
+        self.w2 = nn.Linear(I, d, bias=False)
+        self.w3 = nn.Linear(d, I, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype)).float()
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        self.gate = Gate(cfg, is_hash)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x: [N, d], token_ids: [N] (hash routing) -> [N, d]."""
+        weights, ids = self.gate(x, token_ids)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.to(x.dtype)
