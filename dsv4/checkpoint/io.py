@@ -1,0 +1,238 @@
+"""Reading and writing DeepSeek-V4 checkpoints (safetensors only).
+
+``read_state_dict`` accepts DeepSeek-named (hub) and transformers-named files, single or sharded, plain or
+quantised as DeepSeek ships them (FP8 block-128 linears, FP4 routed experts), and returns the model
+state-dict (see ``schema.py``) validated against the config. Pickle formats are refused, never loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import ModelConfig, load_config
+from .names import (detect_naming, deepseek_to_model, hf_to_deepseek_name, hf_to_model, model_to_deepseek,
+                    model_to_hf)
+from .quant import FP8_BLOCK, dequant_fp4, dequant_fp8_block, is_fp4_packed, quant_fp4, quant_fp8_block
+from .schema import CheckpointError, tensor_dtype, validate_state_dict
+
+__all__ = ["CheckpointError", "read_state_dict", "load_checkpoint", "write_checkpoint"]
+
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+_PICKLE_EXTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_MTP = "mtp."
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+# ------------------------------------------------------------------------------------------------
+def _safetensors_files(checkpoint_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: those of the shard index if there is one, else all of them."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir!r} does not exist")
+    index = os.path.join(checkpoint_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(checkpoint_dir, s) for s in shards]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise CheckpointError(f"{INDEX_FILE} lists shard {os.path.basename(p)!r},"
+                                      f" which is not in {checkpoint_dir!r}")
+        return paths
+    paths = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+    if paths:
+        return paths
+    pickles = sorted(os.path.basename(p) for e in _PICKLE_EXTS for p in glob.glob(os.path.join(checkpoint_dir, e)))
+    if pickles:
+        raise CheckpointError(f"{checkpoint_dir!r} holds only pickle weight files ({', '.join(pickles[:4])}); "
+                              "safetensors is required (pickle files can run arbitrary code and are never loaded)."
+                              " Convert them to *.safetensors with a trusted tool first.")
+    raise CheckpointError(f"{checkpoint_dir!r} has no *.safetensors weight files")
+
+
+def _scale_owner(name: str, names) -> str | None:
+    """If ``name`` is a quantisation scale, the tensor it scales.
+
+    ``X.scale`` -> ``X.weight`` (DeepSeek), ``Y_scale_inv`` -> ``Y`` (``X.weight_scale_inv``, other FP8 files).
+    """
+    if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in names:
+        return name[: -len(".scale")] + ".weight"
+    if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in names:
+        return name[: -len("_scale_inv")]
+    return None
+
+
+def _decode(name: str, raw: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """One stored tensor (plus its scale, if quantised) -> ``dtype``."""
+    try:
+        if scale is not None and raw.dtype in _FP8_DTYPES:
+            return dequant_fp8_block(raw, scale, dtype)
+        if scale is not None and is_fp4_packed(raw) and raw.dim() == 2:
+            return dequant_fp4(raw, scale, dtype)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name!r}: {e}") from None
+    if scale is not None:
+        raise CheckpointError(f"tensor {name!r} has a scale but dtype {raw.dtype} (not FP8 or packed FP4)")
+    if raw.dtype in _FP8_DTYPES:
+        raise CheckpointError(f"FP8 tensor {name!r} has no scale (expected a '.scale' or '_scale_inv' tensor)")
+    if is_fp4_packed(raw) and dtype.is_floating_point:
+        raise CheckpointError(f"tensor {name!r} is {raw.dtype} (packed FP4?) but has no '.scale' tensor")
+    return raw.to(dtype)
+
+
+class _Reader:
+    """Open safetensors files; yields (file name, decoded tensor) pairs, quantisation scales consumed."""
+
+    def __init__(self, paths: list[str], stack: contextlib.ExitStack):
+        self.where: dict[str, object] = {}
+        for path in paths:
+            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for name in f.keys():
+                if name in self.where:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one safetensors file")
+                self.where[name] = f
+        self.scales = {}  # weight name -> scale name
+        for name in self.where:
+            owner = _scale_owner(name, self.where)
+            if owner is not None:
+                self.scales[owner] = name
+
+    def names(self) -> list[str]:
+        """Tensor names, scales excluded."""
+        scale_names = set(self.scales.values())
+        return [n for n in self.where if n not in scale_names]
+
+    def items(self, names, naming: str, dtype: torch.dtype, device):
+        for name in names:
+            raw = self.where[name].get_tensor(name).to(device)
+            scale = self.scales.get(name)
+            scale = None if scale is None else self.where[scale].get_tensor(scale).to(device)
+            ds_name = hf_to_deepseek_name(name) if naming == "hf" else name
+            yield name, _decode(name, raw, scale, tensor_dtype(ds_name, dtype))
+
+
+def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                    device="cpu", with_mtp: bool | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+    """Read a checkpoint directory into the model state-dict; returns (state_dict, has_mtp).
+
+    * Files: ``*.safetensors``, single or sharded (``model.safetensors.index.json``); pickle is refused.
+    * Naming: DeepSeek's or transformers', detected from the names; routed experts come back stacked.
+    * Quantised tensors (FP8 + ``.scale`` / ``.weight_scale_inv``, packed FP4 + ``.scale``) are decoded to
+      ``dtype``; hc_*, attn_sink, ape and gate.bias are float32 whatever ``dtype``; tid2eid is int64.
+    * with_mtp: None = load the MTP layer if the file has one; False = skip ``mtp.*``; True = require it.
+      A file without any ``mtp.*`` tensor gives has_mtp=False; a partial MTP layer is an error.
+    Any missing, unexpected or mis-shaped tensor raises CheckpointError naming it.
+    """
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(_safetensors_files(checkpoint_dir), stack)
+        names = reader.names()
+        naming = detect_naming(names)
+        has_mtp = _resolve_mtp(cfg, any(n.startswith(_MTP) for n in names), with_mtp)
+        names = [n for n in names if has_mtp or not n.startswith(_MTP)]
+        items = reader.items(names, naming, dtype, device)
+        convert = hf_to_model if naming == "hf" else deepseek_to_model
+        state_dict = convert(items, cfg.n_routed_experts)
+    validate_state_dict(state_dict, cfg, with_mtp=has_mtp)
+    return state_dict, has_mtp
+
+
+def _resolve_mtp(cfg: ModelConfig, file_has_mtp: bool, with_mtp: bool | None) -> bool:
+    if with_mtp is False:
+        return False
+    if with_mtp and not cfg.has_mtp:
+        raise CheckpointError("with_mtp=True but the config has no MTP layer (num_nextn_predict_layers = 0)")
+    if file_has_mtp and not cfg.has_mtp:
+        raise CheckpointError("the checkpoint has MTP tensors (mtp.*) but the config has no MTP layer"
+                              " (num_nextn_predict_layers = 0); pass with_mtp=False to skip them")
+    return bool(with_mtp) or file_has_mtp
+
+
+def load_checkpoint(checkpoint_dir: str, dtype: torch.dtype = torch.float32, device="cpu",
+                    with_mtp: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
+    """config.json + weights of a checkpoint directory: (cfg, state_dict in model naming, has_mtp)."""
+    cfg = load_config(checkpoint_dir)
+    state_dict, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype, device, with_mtp)
+    return cfg, state_dict, has_mtp
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+# ------------------------------------------------------------------------------------------------
+# DeepSeek file names of the linears shipped as FP8 block-128, and of the routed experts shipped as FP4.
+_FP8_NAME = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
+                       r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
+_FP4_NAME = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+
+
+def _quantize_deepseek(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-named tensors -> the shipped layout: FP8 linears and FP4 experts, each with ``X.scale``."""
+    out = {}
+    for name, t in tensors.items():
+        quant = quant_fp8_block if _FP8_NAME.search(name) else quant_fp4 if _FP4_NAME.search(name) else None
+        if quant is None:
+            out[name] = t
+            continue
+        q, scale = quant(t)
+        out[name] = q
+        out[name[: -len(".weight")] + ".scale"] = scale
+    return out
+
+
+def _file_tensors(cfg: ModelConfig, state_dict, naming: str, quantize: str | None) -> dict[str, torch.Tensor]:
+    if naming == "hf":
+        if quantize is not None:
+            raise ValueError("quantize is supported for naming='deepseek' only (the layout DeepSeek ships)")
+        return model_to_hf(state_dict)  # tid2eid stays int64 (a transformers buffer)
+    if naming != "deepseek":
+        raise ValueError(f"naming must be 'deepseek' or 'hf', got {naming!r}")
+    tensors = model_to_deepseek(state_dict)
+    tensors = {k: v.to(torch.int32) if k.endswith(".tid2eid") else v for k, v in tensors.items()}
+    if quantize == "fp8":
+        return _quantize_deepseek(tensors)
+    if quantize is not None:
+        raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
+    return tensors
+
+
+def _config_dict(cfg: ModelConfig, naming: str, quantize: str | None, weight_dtype: torch.dtype) -> dict:
+    d = cfg.to_hf_dict() if naming == "hf" else cfg.to_official_dict()
+    d["model_type"] = "deepseek_v4"
+    d["torch_dtype"] = str(weight_dtype).removeprefix("torch.")
+    if quantize == "fp8":
+        d["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        d["expert_dtype"] = "fp4"
+    return d
+
+
+def write_checkpoint(out_dir: str, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], naming: str = "deepseek",
+                     quantize: str | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` for a model-named state-dict.
+
+    naming="deepseek": DeepSeek's file layout (per-expert keys, tid2eid int32, official config.json);
+    naming="hf": transformers' names (fused experts, MTP under ``mtp.0.*``) and its config.json form.
+    quantize="fp8" (deepseek naming only): linears as FP8 block-128 and routed experts as FP4, each with an
+    e8m0 ``.scale``, as DeepSeek ships them. The state-dict is validated against the config first
+    (the MTP layer is written when it has ``mtp.*`` tensors).
+    """
+    has_mtp = any(k.startswith(_MTP) for k in state_dict)
+    validate_state_dict(state_dict, cfg, with_mtp=has_mtp)
+    tensors = _file_tensors(cfg, state_dict, naming, quantize)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(_config_dict(cfg, naming, quantize, state_dict["embed.weight"].dtype), f, indent=2)
+        f.write("\n")
