@@ -32,6 +32,8 @@ class DenseBackend:
     def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
         r, B, T = comp.ratio, self.B, self.T
         E = T // r  # complete windows only
+        if E == 0:
+            return kv.new_zeros(B, 0, comp.head_dim), torch.zeros(B, T, 0, dtype=torch.bool, device=kv.device)
         kv, score = self.group(kv)[:, : E * r], self.group(score)[:, : E * r]  # [B, E*r, C]
         if comp.coff == 2:  # window w pools tokens (w-1)r .. (w+1)r-1: prepend one empty window, then slide
             kv = F.pad(kv, (0, 0, r, 0))

@@ -53,14 +53,24 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns fp32 [N, d]."""
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in ids.unique().tolist():
-            rows, slot = torch.where(ids == e)
-            xe = x[rows]
-            h = swiglu(xe @ self.w1[e].t(), xe @ self.w3[e].t(), self.limit)  # [n_e, I] fp32
-            h = (h * weights[rows, slot].unsqueeze(-1)).to(x.dtype)  # routing weight before w2, as DeepSeek
-            y.index_add_(0, rows, (h @ self.w2[e].t()).float())
-        return y
+        N, k = ids.shape
+        flat = ids.flatten()  # [N*k] one row per (token, choice)
+        order = flat.argsort(stable=True)  # rows grouped by expert
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        xs = x[order // k]  # [N*k, d] the token of each grouped row
+        ws = weights.flatten()[order].unsqueeze(-1)
+        out = torch.empty(N * k, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                seg = slice(start, start + c)
+                h = swiglu(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit)  # [c, I] fp32
+                h = (h * ws[seg]).to(x.dtype)  # routing weight before w2, as DeepSeek does
+                out[seg] = (h @ self.w2[e].t()).float()
+                start += c
+        y = torch.empty_like(out)
+        y[order] = out
+        return y.view(N, k, -1).sum(dim=1)
 
 
 class SharedExpert(nn.Module):

@@ -1,0 +1,39 @@
+"""Building a model from a checkpoint directory (or a preset with random weights)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checkpoint.init_random import random_state_dict
+from ..checkpoint.io import read_state_dict
+from ..config import ModelConfig, get_preset, is_preset, load_config
+from .model import DeepseekV4
+
+
+def build_model(cfg: ModelConfig, state_dict: dict, has_mtp: bool, device="cpu") -> DeepseekV4:
+    """Instantiate on the meta device and adopt the given tensors (no double allocation)."""
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, with_mtp=has_mtp)
+    model.load_state_dict({k: v.to(device) for k, v in state_dict.items()}, strict=True, assign=True)
+    model.init_tables(torch.device(device))
+    return model.eval().requires_grad_(False)
+
+
+def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
+               with_mtp: bool | None = None, seed: int = 0) -> DeepseekV4:
+    """A checkpoint directory (config.json + safetensors), or a preset name (``tiny``, ``flash-L4-E32``, ...)
+    which gets deterministic random weights from ``seed``."""
+    if os.path.isdir(checkpoint_dir):
+        cfg = load_config(checkpoint_dir)
+        sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp)
+    elif is_preset(checkpoint_dir):
+        cfg = get_preset(checkpoint_dir)
+        has_mtp = cfg.has_mtp if with_mtp is None else with_mtp
+        sd = random_state_dict(cfg, seed=seed, dtype=dtype)
+        if not has_mtp:
+            sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    else:
+        raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
+    return build_model(cfg, sd, has_mtp, device)

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+import torch
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures")
+if not os.path.isdir(FIXTURES):  # CI lays shared/ beside the clone; a checkout may also carry it inside
+    FIXTURES = os.path.join(os.path.dirname(__file__), "..", "shared", "fixtures")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir():
+    if not os.path.isdir(FIXTURES):
+        pytest.skip("shared/fixtures not found beside the repository")
+    return FIXTURES

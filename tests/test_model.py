@@ -1,0 +1,125 @@
+"""The dense reference path: DeepSeek's golden outputs, transformers' DeepseekV4ForCausalLM, both namings."""
+
+import os
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsv4.checkpoint.init_random import random_state_dict
+from dsv4.checkpoint.io import write_checkpoint
+from dsv4.checkpoint.names import model_to_hf
+from dsv4.config import get_preset
+from dsv4.model import build_model, load_model
+from dsv4.model.dense import DenseBackend
+from dsv4.model.model import MTPUnavailableError
+
+
+def _golden(fixtures_dir, name):
+    d = os.path.join(fixtures_dir, name)
+    return load_model(os.path.join(d, "checkpoint")), load_file(os.path.join(d, "golden.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["dsv4-tiny-official-r16", "dsv4-tiny-official-r128"])
+def test_golden_logits_and_mtp_logits(fixtures_dir, name):
+    model, g = _golden(fixtures_dir, name)
+    ids = g["input_ids"]
+    assert (model(ids) - g["logits"]).abs().max().item() < 2e-5
+    assert (model.mtp_logits(ids) - g["mtp_logits"]).abs().max().item() < 2e-5
+
+
+def test_mtp_wiring_fails_when_inputs_are_swapped(fixtures_dir):
+    """Row t must use the main streams at t (before hc_head) and the token at t+1 (model doc section 8).
+    Mis-wired variants are computed by hand and must NOT match the golden MTP logits."""
+    model, g = _golden(fixtures_dir, "dsv4-tiny-official-r16")
+    ids, gold = g["input_ids"], g["mtp_logits"]
+    B, T = ids.shape
+    n, d = model.cfg.hc_mult, model.cfg.hidden_size
+    X = model._dense_streams(ids).view(B, T, n, d)
+
+    def mtp(streams, next_ids):
+        backend = DenseBackend(B, T - 1, model.cfg.window_size, ids.device)
+        Xm = model.mtp_streams(streams.reshape(-1, n, d), next_ids.reshape(-1), backend)
+        return model.mtp_logits_from_streams(Xm).view(B, T - 1, -1)
+
+    right = mtp(X[:, :-1], ids[:, 1:])
+    assert (right - gold).abs().max() < 2e-5
+    for wrong in (mtp(X[:, :-1], ids[:, :-1]),   # token t instead of t+1
+                  mtp(X[:, 1:], ids[:, 1:])):    # streams of t+1 instead of t
+        assert (wrong - gold).abs().max() > 1e-2
+
+
+def _hf_model(cfg, sd):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_cfg = DeepseekV4Config(**cfg.to_hf_dict())
+        hf_cfg._attn_implementation = "eager"
+        hf = DeepseekV4ForCausalLM(hf_cfg).eval()
+    missing, unexpected = hf.load_state_dict(
+        {k: v for k, v in model_to_hf(sd).items() if not k.startswith("mtp.")}, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return hf
+
+
+@pytest.mark.parametrize("preset, seqlen", [("tiny", 55), ("tiny-r128", 300)])
+def test_dense_path_equals_transformers(preset, seqlen):
+    # transformers clamps the shared expert too (model doc gotcha 4): compare with the clamp made identical
+    cfg = get_preset(preset).replace(shared_expert_clamp=True)
+    sd = random_state_dict(cfg, seed=3)
+    ours = build_model(cfg, sd, has_mtp=True)
+    hf = _hf_model(cfg, sd)
+    ids = torch.randint(0, cfg.vocab_size, (2, seqlen), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (ours(ids) - ref).abs().max().item() <= 1e-5
+
+
+def test_shared_expert_clamp_switch_matters():
+    cfg = get_preset("tiny")
+    sd = random_state_dict(cfg, seed=3)
+    sd = {k: v * 20 if "shared_experts.w1" in k else v for k, v in sd.items()}  # make the clamp bite
+    ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    a = build_model(cfg, sd, True)(ids)
+    b = build_model(cfg.replace(shared_expert_clamp=True), sd, True)(ids)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_golden_r128_in_transformers_agrees_with_us(fixtures_dir):
+    from transformers import DeepseekV4ForCausalLM
+
+    d = os.path.join(fixtures_dir, "dsv4-tiny-official-r128")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = DeepseekV4ForCausalLM.from_pretrained(os.path.join(d, "checkpoint"), torch_dtype=torch.float32,
+                                                   attn_implementation="eager").eval()
+    ours, g = _golden(fixtures_dir, "dsv4-tiny-official-r128")
+    with torch.no_grad():
+        ref = hf(g["input_ids"]).logits
+    assert (ours(g["input_ids"]) - ref).abs().max().item() <= 1e-5
+
+
+def test_both_namings_load_to_the_same_model(tmp_path):
+    cfg = get_preset("tiny")
+    sd = random_state_dict(cfg, seed=5)
+    write_checkpoint(str(tmp_path / "ds"), cfg, sd, naming="deepseek")
+    write_checkpoint(str(tmp_path / "hf"), cfg, sd, naming="hf")
+    a, b = load_model(str(tmp_path / "ds")), load_model(str(tmp_path / "hf"))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a(ids), b(ids)) and torch.equal(a.mtp_logits(ids), b.mtp_logits(ids))
+
+
+def test_checkpoint_without_mtp_loads_and_refuses_mtp(tmp_path):
+    cfg = get_preset("tiny")
+    sd = {k: v for k, v in random_state_dict(cfg, seed=1).items() if not k.startswith("mtp.")}
+    write_checkpoint(str(tmp_path / "nomtp"), cfg, sd)
+    model = load_model(str(tmp_path / "nomtp"))
+    assert not model.has_mtp
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    assert model(ids).shape == (1, 12, cfg.vocab_size)
+    with pytest.raises(MTPUnavailableError, match="no MTP weights"):
+        model.mtp_logits(ids)
