@@ -9,11 +9,12 @@ from safetensors.torch import load_file
 
 from dsv4.checkpoint.init_random import random_state_dict
 from dsv4.checkpoint.io import write_checkpoint
-from dsv4.checkpoint.names import model_to_hf
 from dsv4.config import get_preset
 from dsv4.model import build_model, load_model
 from dsv4.model.dense import DenseBackend
 from dsv4.model.model import MTPUnavailableError
+
+from .hf_oracle import hf_model
 
 
 def _golden(fixtures_dir, name):
@@ -50,27 +51,13 @@ def test_mtp_wiring_fails_when_inputs_are_swapped(fixtures_dir):
         assert (wrong - gold).abs().max() > 1e-2
 
 
-def _hf_model(cfg, sd):
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf_cfg = DeepseekV4Config(**cfg.to_hf_dict())
-        hf_cfg._attn_implementation = "eager"
-        hf = DeepseekV4ForCausalLM(hf_cfg).eval()
-    missing, unexpected = hf.load_state_dict(
-        {k: v for k, v in model_to_hf(sd).items() if not k.startswith("mtp.")}, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    return hf
-
-
 @pytest.mark.parametrize("preset, seqlen", [("tiny", 55), ("tiny-r128", 300)])
 def test_dense_path_equals_transformers(preset, seqlen):
     # transformers clamps the shared expert too (model doc gotcha 4): compare with the clamp made identical
     cfg = get_preset(preset).replace(shared_expert_clamp=True)
     sd = random_state_dict(cfg, seed=3)
     ours = build_model(cfg, sd, has_mtp=True)
-    hf = _hf_model(cfg, sd)
+    hf = hf_model(cfg, sd)
     ids = torch.randint(0, cfg.vocab_size, (2, seqlen), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits

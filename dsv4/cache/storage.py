@@ -156,7 +156,7 @@ class CacheStorage:
             ops.scatter_rows(data, rows, values)
             return
         rows = rows.reshape(-1)
-        q, s = quantize_fp8(values.reshape(rows.shape[0], -1))
+        q, s = quantize_fp8(values.reshape(rows.shape[0], values.shape[-1]))
         data.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))
         scale.index_copy_(0, rows, s)
 

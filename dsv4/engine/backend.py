@@ -1,0 +1,72 @@
+"""The cached attention backend: the model's layers read and write the KV cache through a step plan.
+
+For every sliding-window layer the plan's ``swa_read`` / ``swa_valid`` say which cache rows (or rows of this
+step) each query sees; ``swa_write`` where this step's rows go. Compressed layers additionally write their
+compressor-state rows, pool the windows that close in this step into entries, write those, and gather
+every entry visible to each query. Reads happen before the writes of the same layer. This is the plain-torch
+path; the GPU kernels of a later issue implement the same contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.ops import gather_combined
+from ..cache.storage import CacheStorage
+from ..model.attention import Compressor
+
+
+class MissingTableError(RuntimeError):
+    """The forward needs a table the backend was not given; the message names it."""
+
+
+class CachedBackend:
+    """One query per key group (G = N, Tq = 1): every token gathers its own keys."""
+
+    def __init__(self, storage: CacheStorage, positions: torch.Tensor, swa_read: torch.Tensor,
+                 swa_valid: torch.Tensor, swa_write: torch.Tensor, ratio_tables: dict | None = None):
+        self.storage = storage
+        self.positions = positions
+        self.swa_read, self.swa_valid, self.swa_write = swa_read, swa_valid, swa_write
+        self.ratio_tables = ratio_tables or {}
+
+    @classmethod
+    def for_step(cls, plan, storage: CacheStorage) -> "CachedBackend":
+        return cls(storage, plan.positions, plan.swa_read, plan.swa_valid, plan.swa_write, plan.ratio_tables)
+
+    @classmethod
+    def for_draft(cls, tables, storage: CacheStorage) -> "CachedBackend":
+        return cls(storage, tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write)
+
+    def group(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1)
+
+    def ungroup(self, x: torch.Tensor) -> torch.Tensor:
+        return x.squeeze(1)
+
+    def window(self, layer_id: int, kv: torch.Tensor):
+        st = self.storage
+        keys = st.gather_swa(layer_id, kv, self.swa_read, self.swa_valid)  # [N, W, D]; reads before writes
+        st.write_swa(layer_id, self.swa_write, kv)
+        return keys, self.swa_valid.unsqueeze(1)
+
+    def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
+        st, t = self.storage, self.ratio_tables.get(comp.ratio)
+        if t is None:
+            raise MissingTableError(f"layer {layer_id} ({name} compressor) needs the step plan's ratio-{comp.ratio}"
+                                    f" tables, which this backend was not given (it has ratios"
+                                    f" {sorted(self.ratio_tables)}); build it with CachedBackend.for_step(plan,"
+                                    " storage) from a plan of the same cache layout")
+        state = st.state[layer_id] if name == "main" else st.index_state[layer_id]  # [rows, 2*coff*D'] fp32
+        step_rows = torch.cat((kv, score), dim=-1)
+        rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
+        kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
+        entries = comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos)  # [M, D']
+        state[t.state_write] = step_rows
+        if name == "main":
+            st.write_entries(layer_id, t.win_write, entries)
+            visible = st.gather_entries(layer_id, t.entry_rows, t.entry_valid)  # [N, E, D]
+        else:
+            st.write_index_keys(layer_id, t.win_write, entries)
+            visible = st.gather_index_keys(layer_id, t.entry_rows, t.entry_valid)
+        return visible, t.entry_valid.unsqueeze(1)

@@ -1,0 +1,147 @@
+"""Engine settings, named as TensorRT-LLM's LLM API names them, as frozen typed dataclasses.
+
+``from_dict`` is the one way in from user input (LLM keyword arguments, a YAML file): it refuses an unknown
+key naming the valid ones, and checks each value's type, so nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+
+class EngineConfigError(ValueError):
+    """A setting this engine cannot honour; the message says which and what to change."""
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    tokens_per_block: int = 128  # page size of the growing caches (compressed entries, indexer keys)
+    dtype: str = "auto"  # "auto" (the model dtype), "bf16", "fp32", "fp8" (e4m3 with per-64 scales)
+    free_gpu_memory_fraction: float = 0.9  # share of free device memory for the cache
+    max_tokens: int | None = None  # an explicit budget in tokens (overrides the fraction)
+    max_gpu_memory_bytes: int | None = None  # an explicit budget in bytes
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp8"):
+            raise EngineConfigError(f"kv_cache_config.dtype {self.dtype!r}: use auto, bf16, fp32 or fp8")
+        if not 0 < self.free_gpu_memory_fraction <= 1:
+            raise EngineConfigError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1]")
+        if self.tokens_per_block <= 0:
+            raise EngineConfigError("kv_cache_config.tokens_per_block must be > 0")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    decoding_type: str = "MTP"
+    num_nextn_predict_layers: int = 1  # draft tokens per step (DeepSeek-V4's one MTP layer is reused)
+    max_draft_len: int | None = None  # alias used by newer TensorRT-LLM releases
+
+    def __post_init__(self):
+        if self.decoding_type.upper() != "MTP":
+            raise EngineConfigError(f"speculative_config.decoding_type {self.decoding_type!r}: only MTP is"
+                                    " supported for DeepSeek-V4")
+        if self.draft_len < 1:
+            raise EngineConfigError("speculative_config: the number of draft tokens must be >= 1")
+
+    @property
+    def draft_len(self) -> int:
+        return self.max_draft_len if self.max_draft_len is not None else self.num_nextn_predict_layers
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    enable_padding: bool = False
+    batch_sizes: list[int] | None = None
+    max_batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    backend: str = "AUTO"  # TensorRT-LLM names (TRTLLM, CUTLASS, ...) map to this engine's one MoE path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "auto"  # model weights/activations: auto = fp32 on CPU, bf16 on CUDA
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192
+    max_seq_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    speculative_config: SpeculativeConfig | None = None
+    cuda_graph_config: CudaGraphConfig | None = None
+    moe_config: MoeConfig = field(default_factory=MoeConfig)
+    enforce_eager: bool = False
+    enable_attention_dp: bool = False
+    tensor_parallel_size: int = 1
+    moe_expert_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_num_tokens"):
+            if getattr(self, name) < 1:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise EngineConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+
+    @property
+    def draft_len(self) -> int:
+        return self.speculative_config.draft_len if self.speculative_config else 0
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Build a config dataclass from a plain dict, refusing unknown keys and wrong types."""
+    if data is None:
+        return cls()
+    if dataclasses.is_dataclass(data) and isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise EngineConfigError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in fields:
+            raise EngineConfigError(f"unknown key {path!r}; valid keys{' of ' + where if where else ''}: "
+                                    f"{', '.join(sorted(fields))}")
+        kwargs[key] = _coerce(hints[key], value, path)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - defensive
+        raise EngineConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def _coerce(tp, value, path):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise EngineConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise EngineConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise EngineConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EngineConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise EngineConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,170 @@
+"""The engine step: schedule -> plan -> run the target -> sample / verify -> propose drafts -> commit.
+
+``LLMEngine`` is what the LLM API and the benchmark drive: ``add_request`` then ``step`` until
+``has_unfinished_requests`` is false. Every step's per-step state lives in one immutable plan the cache
+builds (R2); the cache's integrity check runs after every step when ``DSV4_CHECK_CACHE=1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from ..cache.manager import SeqStep
+from ..config import ModelConfig
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, Status
+from .runner import ModelRunner
+from .sampler import make_generator, probs_from_logits, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, ScheduledSeq
+from .spec import SpecStats, accept_greedy, accept_sampled
+
+log = logging.getLogger("dsv4")
+
+
+class RequestError(ValueError):
+    """A request this engine cannot serve (too long, bad token ids); only that request is refused."""
+
+
+class LLMEngine:
+    def __init__(self, model, model_cfg: ModelConfig, cache, storage, engine_cfg, max_seq_len: int,
+                 tokenizer=None):
+        self.model, self.model_cfg, self.cfg = model, model_cfg, engine_cfg
+        self.cache, self.storage = cache, storage
+        self.max_seq_len = max_seq_len
+        self.tokenizer = tokenizer
+        self.device = torch.device(engine_cfg.device)
+        self.draft_len = engine_cfg.draft_len
+        self.runner = ModelRunner(model, storage, self.device)
+        self.scheduler = Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens, self.draft_len)
+        self.spec_stats = SpecStats()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        # Test-only hook: replaces the MTP's greedy drafts (e.g. with the known answer part of the time) so
+        # both the accept and the reject branch run on random weights. None in normal use.
+        self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> str:
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise RequestError(f"request {rid!r}: the prompt is empty")
+        V = self.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"request {rid!r}: token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        if len(ids) + params.max_tokens > self.max_seq_len:
+            raise RequestError(f"request {rid!r}: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) ="
+                               f" {len(ids) + params.max_tokens} exceeds max_seq_len ({self.max_seq_len});"
+                               " shorten the request or raise max_seq_len")
+        gen = None if params.greedy else make_generator(params.seed, self.device)
+        req = Request(rid, ids, params, generator=gen, eos_token_id=self.model_cfg.eos_token_id, prompt=prompt)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str):
+        req = self.requests.pop(str(request_id), None)
+        if req is not None and not req.finished:
+            req.finish_reason = "abort"
+            self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        mtp = self.draft_len > 0
+        plan = self.cache.begin_step(
+            [SeqStep(s.request.request_id, s.num_new, self.draft_len if (mtp and s.sample) else 0) for s in seqs],
+            device=self.device)
+        try:
+            accepted, emitted = self._run(seqs, plan, mtp)
+        except BaseException:
+            # the step's rows may be half written: the cache frees its requests; they end with an error
+            self.cache.abort_step(plan)
+            for s in seqs:
+                s.request.finish_reason = "error"
+                self.scheduler.forget(s.request)
+            raise
+        self.cache.commit_step(plan, accepted)
+        self.num_steps += 1
+
+        outs = []
+        for s, a, new in zip(seqs, accepted, emitted):
+            req = s.request
+            req.num_computed += a
+            if req.finish_reason is not None:
+                req.finish_time = time.perf_counter()
+                self.scheduler.finish(req)
+            if new or req.finished:
+                outs.append(self._output(req))
+        return outs
+
+    def _run(self, seqs: list[ScheduledSeq], plan, mtp: bool) -> tuple[list[int], list[list[int]]]:
+        """Target forward, verify/sample, MTP proposal. Returns accepted counts and emitted tokens."""
+        target = self.runner.forward(seqs, plan)
+        accepted, emitted = [], []
+        for s, logits in zip(seqs, target.logits):
+            if not s.sample:
+                accepted.append(s.num_new)
+                emitted.append([])
+                continue
+            toks = self._verify(s, logits)
+            self.spec_stats.record(len(s.drafts), len(toks) - 1)
+            accepted.append(s.num_new - len(s.drafts) + len(toks) - 1)
+            emitted.append(s.request.append(toks))
+
+        if mtp:
+            drafting = [s.sample and s.request.finish_reason is None for s in seqs]
+            draft_probs: dict[int, list[torch.Tensor]] = {}
+            drafts = self.runner.propose(seqs, plan, target, accepted, drafting, self.draft_len,
+                                         lambda b, j, lg: self._draft_token(seqs[b].request, lg, draft_probs, b))
+            for b, s in enumerate(seqs):
+                if drafting[b]:
+                    d = drafts[b]
+                    if self.draft_override is not None:
+                        d = list(self.draft_override(s.request, d))
+                    s.request.drafts = d
+                    s.request.draft_probs = torch.stack(draft_probs[b]) if b in draft_probs else None
+        return accepted, emitted
+
+    def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
+        req = s.request
+        if req.params.greedy:
+            return accept_greedy(logits, list(s.drafts))
+        return accept_sampled(logits, list(s.drafts), req.draft_probs if s.drafts else None, req.params,
+                              req.generator)
+
+    def _draft_token(self, req: Request, logits: torch.Tensor, keep: dict, b: int) -> int:
+        if req.params.greedy:
+            return int(logits.argmax())
+        q = probs_from_logits(logits.unsqueeze(0), req.params)
+        keep.setdefault(b, []).append(q[0])
+        return int(sample(q, req.generator))
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=list(req.prompt_ids), prompt=req.prompt,
+            outputs=[CompletionOutput(0, list(req.output_ids), text, req.finish_reason)],
+            finished=req.finished,
+            metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                     "finish_time": req.finish_time, "num_preemptions": req.num_preemptions})
+
+    def get_stats(self) -> dict:
+        return {"num_steps": self.num_steps, "num_preemptions": self.scheduler.num_preemptions,
+                "speculative": self.spec_stats.as_dict() if self.draft_len else None}

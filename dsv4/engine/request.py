@@ -1,0 +1,88 @@
+"""A request's engine-side state. The KV cache holds its rows; this holds its tokens and sampling state.
+
+Token regions of a running request (C = ``num_computed``, positions whose cache rows are committed)::
+
+    tokens:  [ prompt ............ | outputs ....... ]           drafts (pending verification)
+    pos:     0                    P                 len-1        len .. len+k-1
+             |<------ computed: 0..C-1 ------>|<-- to compute -->|
+    prefill: C < len-1  -> the step computes a chunk tokens[C : C+n]; the last chunk (C+n == len) samples
+    decode:  C == len-1 -> the step computes tokens[len-1] and the k drafts (a verify when k > 0)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    eos_token_id: int | None = None
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # mirror of the cache's committed length, reset on preemption
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [k, V] q of each draft (sampling only)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed == self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append(self, new_ids: list[int]) -> list[int]:
+        """Append emitted tokens, stopping at max_tokens / EOS / a stop token. Returns what was kept."""
+        kept = []
+        sp = self.params
+        for t in new_ids:
+            if len(self.output_ids) >= sp.max_tokens:
+                break
+            self.output_ids.append(t)
+            kept.append(t)
+            if t in sp.stop_token_ids or (not sp.ignore_eos and t == self.eos_token_id):
+                self.finish_reason = "stop"
+                break
+        if self.finish_reason is None and len(self.output_ids) >= sp.max_tokens:
+            self.finish_reason = "length"
+        if kept and self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        return kept
+
+    def reset_for_recompute(self):
+        """Preemption by recompute: forget the cache rows; the tokens so far become the new prompt's work."""
+        self.num_computed = 0
+        self.drafts = []
+        self.draft_probs = None
+        self.status = Status.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,120 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step: running requests first (decode / verify needs 1 + k tokens; an unfinished prefill continues
+with its next chunk), then waiting requests are admitted while the token budget (``max_num_tokens``) and
+the batch size (``max_batch_size``) allow. Before a request is scheduled the cache reserves every token
+the step will write (its drafts included, R5). When the cache cannot fit a running request, the most
+recently admitted other request is preempted (its cache freed at once, its tokens recomputed later); a
+request is never dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache.manager import KVCacheManager
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    token_ids: tuple[int, ...]  # inputs at positions num_computed .. num_computed + len - 1 (drafts included)
+    sample: bool  # the step ends at the request's newest token: sample (or verify) there
+    drafts: tuple[int, ...]  # drafts being verified (the tail of token_ids)
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+
+class Scheduler:
+    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_num_tokens: int, draft_len: int):
+        self.cache = cache
+        self.max_batch_size, self.max_num_tokens, self.draft_len = max_batch_size, max_num_tokens, draft_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request):
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request):
+        """Release everything a finished or aborted request holds, at once."""
+        if req in self.running:
+            self.running.remove(req)
+            self.cache.free(req.request_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def forget(self, req: Request):
+        """Drop a request whose cache rows the cache already released (an aborted step)."""
+        if req in self.running:
+            self.running.remove(req)
+        req.status = Status.FINISHED
+
+    def _preempt(self, victim: Request):
+        self.running.remove(victim)
+        self.cache.free(victim.request_id)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def _plan_tokens(self, req: Request, budget: int) -> ScheduledSeq | None:
+        C, L = req.num_computed, req.num_tokens
+        if C == L - 1:  # decode, verifying any pending drafts
+            ids = (req.tokens[C],) + tuple(req.drafts)
+            if len(ids) > budget:
+                return None
+            return ScheduledSeq(req, ids, True, tuple(req.drafts))
+        n = min(L - C, budget)
+        if n <= 0:
+            return None
+        return ScheduledSeq(req, tuple(req.tokens[C:C + n]), C + n == L, ())
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_tokens
+        out: list[ScheduledSeq] = []
+        for req in list(self.running):
+            if req not in self.running:  # preempted below while making room for an earlier one
+                continue
+            seq = self._plan_tokens(req, budget)
+            if seq is None:
+                continue
+            need = req.num_computed + seq.num_new
+            while not self.cache.can_reserve(req.request_id, need):
+                victims = [r for r in self.running if r is not req and r not in [s.request for s in out]]
+                if not victims:
+                    break
+                self._preempt(victims[-1])
+            if not self.cache.reserve(req.request_id, need).ok:
+                if not out and len(self.running) == 1:
+                    raise RuntimeError(f"request {req.request_id!r} cannot fit in the KV cache even alone"
+                                       f" ({need} tokens); give the cache more memory or lower max_seq_len")
+                self._preempt(req)
+                continue
+            out.append(seq)
+            budget -= seq.num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            if not self.cache.admit(req.request_id).ok:
+                break
+            seq = self._plan_tokens(req, budget)
+            need = req.num_computed + seq.num_new
+            if not self.cache.reserve(req.request_id, need).ok:
+                self.cache.free(req.request_id)
+                if not self.running:
+                    raise RuntimeError(f"request {req.request_id!r} cannot fit in the KV cache even alone"
+                                       f" ({need} tokens); give the cache more memory or lower max_seq_len")
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(seq)
+            budget -= seq.num_new
+        return out

@@ -1,0 +1,59 @@
+"""Warmup: before serving, dummy requests go through every path the configuration enables, through the
+real cache, and are released (section 6 of the cache doc). Fails early, naming the path that failed."""
+
+from __future__ import annotations
+
+import logging
+
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("dsv4")
+
+
+class WarmupError(RuntimeError):
+    """A warmup path failed; the message names the path and the cause."""
+
+
+def warmup_paths(engine) -> list[tuple[str, list[int], int]]:
+    """(name, prompt lengths, max_tokens) of each path: a context chunk of max_num_tokens, a decode batch
+    of max_batch_size, and with MTP a verify + draft at the configured draft length (it follows the
+    decode batch's first step, so its requests generate enough tokens to verify twice)."""
+    cfg = engine.cfg
+    chunk = min(cfg.max_num_tokens, engine.max_seq_len - 2)
+    batch = min(cfg.max_batch_size, engine.cache.num_free_slots)
+    steps = 2 + 2 * (engine.draft_len + 1) if engine.draft_len else 2
+    decode_prompt = max(1, min(4, engine.max_seq_len - steps - 1))
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk], 2),
+             ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, 2)]
+    if engine.draft_len:
+        paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",
+                      [decode_prompt] * batch, steps))
+    return paths
+
+
+def run_warmup(engine) -> list[str]:
+    done = []
+    for name, prompt_lens, max_tokens in warmup_paths(engine):
+        ids = []
+        try:
+            for i, n in enumerate(prompt_lens):
+                prompt = [(7 * i + j) % engine.model_cfg.vocab_size for j in range(n)]
+                ids.append(engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                              request_id=f"__warmup_{len(done)}_{i}"))
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.cache.check_integrity()
+        except Exception as e:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise WarmupError(f"warmup path '{name}' failed: {type(e).__name__}: {e}") from e
+        for rid in ids:
+            engine.requests.pop(rid, None)
+        done.append(name)
+        log.info("warmup: %s ok", name)
+    if engine.cache.num_free_slots != engine.cache.num_slots:
+        raise WarmupError("warmup left cache slots allocated; the cache leaks")
+    engine.spec_stats.__init__()
+    engine.num_steps = 0
+    engine.scheduler.num_preemptions = 0
+    return done

@@ -1,0 +1,183 @@
+"""``LLM``: the offline API, shaped like TensorRT-LLM's and vLLM's.
+
+    from dsv4 import LLM, SamplingParams
+    llm = LLM(model="tiny", speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
+    out[0].outputs[0].token_ids
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator, Sequence
+
+import torch
+
+from .cache.layout import CacheLayout
+from .cache.manager import KVCacheManager
+from .cache.sizing import budget_from_fraction, size_cache
+from .cache.storage import CacheStorage
+from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
+from .engine.engine import LLMEngine, RequestError
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
+from .engine.warmup import run_warmup
+from .model.loader import load_model
+
+log = logging.getLogger("dsv4")
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise EngineConfigError(f"dtype {dtype!r}: use auto, fp32 or bf16")
+    return _DTYPES[dtype]
+
+
+def _load_tokenizer(model: str):
+    path = os.path.join(model, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer  # the standard library for tokenizer.json files
+
+    return Tokenizer.from_file(path)
+
+
+class LLM:
+    def __init__(self, model: str, *, device: str = "cpu", dtype="auto", warmup: bool = True, **settings):
+        """``model``: a checkpoint directory or a preset name (``tiny``, ``tiny-r128``, ``flash-L4-E32``).
+        ``settings``: the EngineConfig fields (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config,
+        speculative_config, cuda_graph_config, moe_config, enforce_eager, enable_attention_dp, ...)."""
+        if isinstance(settings.get("kv_cache_config"), KvCacheConfig):
+            settings["kv_cache_config"] = vars(settings["kv_cache_config"])
+        cfg: EngineConfig = from_dict(EngineConfig, {"device": device, **settings})
+        self._refuse_unsupported(cfg)
+        self.config = cfg
+        torch_dtype = _resolve_dtype(dtype, device)
+        with_mtp = True if cfg.speculative_config else None
+        try:
+            self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed)
+        except Exception as e:
+            if with_mtp and "mtp" in str(e).lower():
+                raise EngineConfigError(f"speculative_config asks for MTP but {model!r} cannot provide it: {e}."
+                                        " Drop speculative_config or use a checkpoint with mtp.* weights") from e
+            raise
+        mcfg = self.model.cfg
+        self.model_config = mcfg
+        max_seq_len = cfg.max_seq_len or min(mcfg.max_position_embeddings, 8192)
+        if max_seq_len > mcfg.max_position_embeddings:
+            raise EngineConfigError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings"
+                                    f" {mcfg.max_position_embeddings}")
+        if cfg.max_num_tokens < 1 + cfg.draft_len:
+            raise EngineConfigError(f"max_num_tokens ({cfg.max_num_tokens}) must hold a verify step of"
+                                    f" 1 + {cfg.draft_len} draft tokens")
+
+        kvc = cfg.kv_cache_config
+        kv_dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(kvc.dtype, kvc.dtype)
+        layout = CacheLayout(mcfg, cfg.draft_len, kvc.tokens_per_block)
+        if kvc.max_gpu_memory_bytes:
+            budget = kvc.max_gpu_memory_bytes
+        elif kvc.max_tokens:
+            budget = (max(cfg.max_batch_size, 1) * CacheStorage.bytes_per_slot(layout, torch_dtype, kv_dtype)
+                      + -(-kvc.max_tokens // kvc.tokens_per_block)
+                      * CacheStorage.bytes_per_block(layout, torch_dtype, kv_dtype))
+        else:
+            budget = budget_from_fraction(kvc.free_gpu_memory_fraction, device)
+        self.cache_sizing = size_cache(layout, torch_dtype, kv_dtype, budget, cfg.max_batch_size, max_seq_len)
+        log.info("%s", self.cache_sizing.describe())
+        cache = KVCacheManager(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks)
+        storage = CacheStorage(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks, device=device,
+                               dtype=torch_dtype, kv_dtype=kv_dtype)
+        self.tokenizer = _load_tokenizer(model) if os.path.isdir(model) else None
+        self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, max_seq_len, tokenizer=self.tokenizer)
+        self.warmup_paths = run_warmup(self.engine) if warmup else []
+
+    @staticmethod
+    def _refuse_unsupported(cfg: EngineConfig):
+        multi = {"tensor_parallel_size": cfg.tensor_parallel_size, "moe_expert_parallel_size":
+                 cfg.moe_expert_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
+        for k, v in multi.items():
+            if v != 1:
+                raise EngineConfigError(f"{k}={v}: this build runs on one device; multi-device execution is not"
+                                        " implemented yet (set it to 1)")
+        if cfg.enable_attention_dp:
+            raise EngineConfigError("enable_attention_dp=true needs several ranks; multi-device execution is not"
+                                    " implemented yet (set enable_attention_dp: false)")
+        if cfg.moe_config.backend.upper() not in ("AUTO", "TORCH", "DSV4"):
+            log.warning("moe_config.backend=%s is a TensorRT-LLM kernel choice; dsv4 maps it to its own grouped"
+                        " MoE path", cfg.moe_config.backend)
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer (no tokenizer.json in the checkpoint); pass"
+                                   " token-id lists instead of strings")
+            return self.tokenizer.encode(prompt).ids, prompt
+        return [int(t) for t in prompt], None
+
+    def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        handles = []
+        for prompt, sp in zip(prompts, sampling_params):
+            try:
+                ids, text = self._encode(prompt)
+                handles.append((self.engine.add_request(ids, sp, prompt=text), None))
+            except RequestError as e:  # only this request is refused; the others run
+                handles.append((None, RequestOutput("", [], [CompletionOutput(0, [], None, "error")], True,
+                                                    error=str(e))))
+        return handles
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        handles = self._submit(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(1 for h, _ in handles if h is not None), desc="generate")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        results = []
+        for rid, err in handles:
+            results.append(err if rid is None else final[rid])
+            if rid is not None:
+                self.engine.requests.pop(rid, None)
+        return results
+
+    def generate_stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput (cumulative tokens) each time a request gets new tokens or finishes."""
+        handles = self._submit(prompts, sampling_params)
+        for rid, err in handles:
+            if err is not None:
+                yield err
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    def get_stats(self) -> dict:
+        stats = self.engine.get_stats()
+        stats["kv_cache"] = {"num_slots": self.cache_sizing.num_slots, "num_blocks": self.cache_sizing.num_blocks,
+                             "tokens_per_block": self.config.kv_cache_config.tokens_per_block,
+                             "dtype": self.config.kv_cache_config.dtype, "summary": self.cache_sizing.describe()}
+        return stats

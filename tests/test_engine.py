@@ -1,0 +1,181 @@
+"""The engine on CPU: against transformers' greedy generate, MTP on == MTP off, preemption, warmup."""
+
+import random
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.init_random import random_state_dict
+from dsv4.checkpoint.io import write_checkpoint
+from dsv4.config import get_preset
+
+from .hf_oracle import hf_greedy, hf_model
+
+MTP = lambda k: {"decoding_type": "MTP", "num_nextn_predict_layers": k}  # noqa: E731
+
+
+def _checkpoint(tmp_path_factory, preset, seed):
+    """A random checkpoint (shared-expert clamp as transformers does, so it can be compared)."""
+    cfg = get_preset(preset).replace(shared_expert_clamp=True)
+    sd = random_state_dict(cfg, seed=seed)
+    d = str(tmp_path_factory.mktemp(preset))
+    write_checkpoint(d, cfg, sd)
+    return d, cfg, sd
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "tiny", 11)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny):
+    return tiny[0]
+
+
+@pytest.fixture(scope="module")
+def tiny128(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "tiny-r128", 12)
+
+
+def _llm(model, **kw):
+    kw.setdefault("max_batch_size", 8)
+    kw.setdefault("max_num_tokens", 96)
+    kw.setdefault("max_seq_len", 512)
+    kw.setdefault("kv_cache_config", {"max_tokens": 8192})
+    return LLM(model, **kw)
+
+
+def _prompts(n, lens, vocab=256, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(L)] for L in lens[:n]]
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny128"])
+def test_greedy_equals_transformers_generate(which, request):
+    model_dir, cfg, sd = request.getfixturevalue(which)
+    lens = [1, 7, 64, 133, 300] if which == "tiny" else [1, 40, 129, 300]
+    prompts = _prompts(len(lens), lens)
+    llm = _llm(model_dir, max_num_tokens=96)  # 96-token budget: the long prompts prefill in several chunks
+    out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    ours = [o.outputs[0].token_ids for o in out]
+    assert ours == hf_greedy(hf_model(cfg, sd), prompts, 8)
+
+
+def _oracle(reference: dict[str, list[int]], p_right: float, seed: int):
+    """A test-only drafter: for each draft position, the target's known greedy answer with probability
+    p_right, else a wrong token. So both the accept and the reject branches run on random weights."""
+    rng = random.Random(seed)
+
+    def override(req, drafts):
+        answer = reference[tuple(req.prompt_ids)]
+        done = len(req.output_ids)
+        out = []
+        for j, d in enumerate(drafts):
+            truth = answer[done + j] if done + j < len(answer) else d
+            out.append(truth if rng.random() < p_right else (truth + 1) % 256)
+        return out
+
+    return override
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_is_token_identical(tiny_dir, k):
+    prompts = _prompts(6, [3, 17, 40, 1, 90, 130], seed=k)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    base = _llm(tiny_dir, warmup=False).generate(prompts, sp)
+    ref = [o.outputs[0].token_ids for o in base]
+    llm = _llm(tiny_dir, speculative_config=MTP(k))
+    llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, 0.6, seed=k)
+    out = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    st = llm.get_stats()["speculative"]
+    # both branches ran: some drafts accepted, some rejected, at every position
+    assert 0 < st["acceptance_rate"] < 1
+    assert len(st["per_position_acceptance"]) == k
+    assert st["mean_accepted_len"] > 1
+
+
+def test_mtp_without_override_still_identical(tiny_dir):
+    """The real MTP drafts (near-zero acceptance on random weights) must not change greedy output."""
+    prompts = _prompts(3, [5, 33, 70], seed=7)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_dir, warmup=False).generate(prompts, sp)]
+    out = _llm(tiny_dir, speculative_config=MTP(2), warmup=False).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in out] == ref
+
+
+def test_preemption_gives_the_same_tokens(tiny_dir):
+    prompts = _prompts(6, [40, 60, 80, 30, 100, 50], seed=3)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_dir, warmup=False).generate(prompts, sp)]
+    # room for only ~2 of the 6 sequences' growing state at a time
+    small = _llm(tiny_dir, kv_cache_config={"max_tokens": 384, "tokens_per_block": 16}, max_seq_len=160,
+                 speculative_config=MTP(2), warmup=False)
+    out = small.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert small.get_stats()["num_preemptions"] > 0
+    assert small.engine.cache.num_free_blocks == small.engine.cache.num_blocks
+
+
+def test_chunked_prefill_equals_one_shot(tiny_dir):
+    prompts = _prompts(3, [200, 150, 90], seed=4)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    one = _llm(tiny_dir, max_num_tokens=512, warmup=False).generate(prompts, sp)
+    chunked = _llm(tiny_dir, max_num_tokens=13, warmup=False).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in chunked]
+
+
+@pytest.mark.parametrize("mtp", [None, MTP(1)])
+def test_warmup_with_the_seeds_settings(tiny_dir, mtp, monkeypatch):
+    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")
+    llm = LLM(tiny_dir, max_batch_size=4, max_num_tokens=256, max_seq_len=512,
+              kv_cache_config={"tokens_per_block": 128, "dtype": "fp8", "free_gpu_memory_fraction": 0.9},
+              cuda_graph_config={"enable_padding": True}, moe_config={"backend": "TRTLLM"},
+              speculative_config=mtp)
+    assert len(llm.warmup_paths) == (3 if mtp else 2)
+    cache = llm.engine.cache
+    assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_warmup_names_an_unprepared_table(tiny_dir, monkeypatch):
+    """If a step plan lacked a table the model needs, warmup fails naming the path and the table."""
+    from dsv4.engine import backend as be
+    from dsv4.engine.warmup import WarmupError
+
+    real = be.CachedBackend.for_step.__func__
+
+    def without_ratio_tables(cls, plan, storage):
+        b = real(cls, plan, storage)
+        b.ratio_tables = {}
+        return b
+
+    monkeypatch.setattr(be.CachedBackend, "for_step", classmethod(without_ratio_tables))
+    with pytest.raises(WarmupError, match=r"context chunk.*ratio-4 tables"):
+        _llm(tiny_dir)
+
+
+def test_bad_requests_get_clear_errors(tiny_dir):
+    llm = _llm(tiny_dir, warmup=False, max_seq_len=64)
+    outs = llm.generate([[1, 2, 3], [5] * 70, [300]], SamplingParams(max_tokens=4))
+    assert len(outs[0].outputs[0].token_ids) == 4 and outs[0].error is None
+    assert "max_seq_len" in outs[1].error
+    assert "vocabulary" in outs[2].error
+
+
+def test_mtp_on_a_checkpoint_without_mtp_is_refused(tmp_path):
+    from dsv4.engine.config import EngineConfigError
+
+    cfg = get_preset("tiny")
+    sd = {k: v for k, v in random_state_dict(cfg, seed=1).items() if not k.startswith("mtp.")}
+    write_checkpoint(str(tmp_path), cfg, sd)
+    with pytest.raises(EngineConfigError, match="MTP"):
+        _llm(str(tmp_path), speculative_config=MTP(1))
+
+
+def test_streaming_yields_growing_outputs(tiny_dir):
+    llm = _llm(tiny_dir, warmup=False)
+    seen = [o.outputs[0].token_ids for o in llm.generate_stream([[4, 5, 6]], SamplingParams(max_tokens=5))]
+    assert [len(s) for s in seen] == [1, 2, 3, 4, 5]
