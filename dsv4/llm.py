@@ -60,6 +60,7 @@ class LLM:
         cfg: EngineConfig = from_dict(EngineConfig, {"device": device, **settings})
         self._refuse_unsupported(cfg)
         self.config = cfg
+        self.notes = self._mapping_notes(cfg, device)
         torch_dtype = _resolve_dtype(dtype, device)
         with_mtp = True if cfg.speculative_config else None
         try:
@@ -110,9 +111,19 @@ class LLM:
         if cfg.enable_attention_dp:
             raise EngineConfigError("enable_attention_dp=true needs several ranks; multi-device execution is not"
                                     " implemented yet (set enable_attention_dp: false)")
+    def _mapping_notes(self, cfg: EngineConfig, device: str) -> list[str]:
+        """Settings honoured differently from what they name: said once, visibly (log + llm.notes)."""
+        notes = []
         if cfg.moe_config.backend.upper() not in ("AUTO", "TORCH", "DSV4"):
-            log.warning("moe_config.backend=%s is a TensorRT-LLM kernel choice; dsv4 maps it to its own grouped"
-                        " MoE path", cfg.moe_config.backend)
+            notes.append(f"moe_config.backend={cfg.moe_config.backend} is a TensorRT-LLM kernel choice; dsv4 maps"
+                         " it to its own grouped-expert MoE path")
+        if cfg.cuda_graph_config is not None and not cfg.enforce_eager:
+            notes.append("cuda_graph_config: CUDA graphs are not implemented in this build yet"
+                         + (" (and there are none on the CPU)" if not device.startswith("cuda") else "")
+                         + "; decode and verify steps run eagerly")
+        for n in notes:
+            log.warning("%s", n)
+        return notes
 
     # ---- generation ---------------------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[list[int], str | None]:

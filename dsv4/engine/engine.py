@@ -46,6 +46,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.last_step: dict = {}  # a summary of the last step (for iteration logs)
         # Test-only hook: replaces the MTP's greedy drafts (e.g. with the known answer part of the time) so
         # both the accept and the reject branch run on random weights. None in normal use.
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
@@ -102,6 +103,12 @@ class LLMEngine:
             raise
         self.cache.commit_step(plan, accepted)
         self.num_steps += 1
+        self.last_step = {"step": self.num_steps, "num_seqs": len(seqs),
+                          "num_tokens": sum(s.num_new for s in seqs),
+                          "num_context": sum(1 for s in seqs if not s.request.in_decode or not s.sample),
+                          "num_generation": sum(1 for s in seqs if s.sample and s.request.num_computed > 0),
+                          "num_emitted": sum(len(e) for e in emitted),
+                          "num_free_blocks": self.cache.num_free_blocks}
 
         outs = []
         for s, a, new in zip(seqs, accepted, emitted):
