@@ -13,7 +13,7 @@ import torch
 
 from ..cache.ops import gather_combined
 from ..cache.storage import CacheStorage
-from ..model.attention import Compressor
+from ..model.attention import Compressor, attend_gathered
 
 
 class MissingTableError(RuntimeError):
@@ -37,6 +37,8 @@ class CachedBackend:
     @classmethod
     def for_draft(cls, tables, storage: CacheStorage) -> "CachedBackend":
         return cls(storage, tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write)
+
+    attend = staticmethod(attend_gathered)
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(1)

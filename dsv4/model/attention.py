@@ -39,6 +39,21 @@ class AttentionBackend(Protocol):
         compressed entries [G, E, D'] and causal visibility [G, Tq, E] (entry w visible from position t
         iff w < (t+1) // ratio). Entries are made with ``comp.pool``."""
 
+    def attend(self, q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [G, Tq, H, D] over the window keys and the selected compressed entries, one softmax with the
+        sink -> [G, Tq, H, D]. ``window`` / ``compressed[0]`` are whatever ``window`` / ``compressed``
+        returned (gathered tensors, or a kernel backend's handles on the cache)."""
+
+
+def attend_gathered(q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attend`` for backends whose keys are gathered tensors: concatenate, then ``sink_attention``."""
+    keys, mask = window
+    if compressed is not None:
+        entries, visible = compressed
+        keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
+        mask = torch.cat((mask, visible), dim=-1)
+    return sink_attention(q, keys, mask, sink, scale)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -146,16 +161,16 @@ class Attention(nn.Module):
         q = apply_rope(rms_norm(q, None, cfg.norm_eps), cos, sin)  # per-head unweighted norm, then rope
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, D]: the single K=V head
 
-        keys, mask = backend.window(self.layer_id, kv)
+        window = backend.window(self.layer_id, kv)
+        compressed = None
         if self.compressor is not None:
             ckv, cscore = self.compressor.project(x, backend.positions)
             entries, visible = backend.compressed(self.layer_id, "main", self.compressor, ckv, cscore)
             if self.indexer is not None:
                 visible = self.indexer.select(x, c_q, cos, sin, visible, backend, self.layer_id)
-            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
-            mask = torch.cat((mask, visible), dim=-1)
+            compressed = (entries, visible)
 
-        o = sink_attention(backend.group(q), keys, mask, self.attn_sink, D ** -0.5)
+        o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
         o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too
         g = cfg.o_groups
         o = o.reshape(N, g, H * D // g)

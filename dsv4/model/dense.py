@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import Compressor
+from .attention import Compressor, attend_gathered
 
 
 class DenseBackend:
@@ -25,6 +25,8 @@ class DenseBackend:
 
     def ungroup(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(self.B * self.T, *x.shape[2:])
+
+    attend = staticmethod(attend_gathered)
 
     def window(self, layer_id: int, kv: torch.Tensor):
         return self.group(kv), self._window_mask
