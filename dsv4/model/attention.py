@@ -153,7 +153,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """x: [N, d] (attn-normed) -> [N, d]."""
         cfg, N = self.cfg, x.shape[0]
-        H, D = cfg.num_heads, cfg.head_dim
+        # heads and output groups held by this module: all of them, or this rank's share under tensor
+        # parallelism (dsv4.parallel splits wq_b / attn_sink / wo_a by whole groups and sums after wo_b)
+        D = cfg.head_dim
+        H = self.wq_b.weight.shape[0] // D
+        g = self.wo_a.weight.shape[0] // cfg.o_lora_rank
         cos, sin = rope_cos_sin(self.inv_freq, backend.positions)  # [N, R/2]
 
         c_q = self.q_norm(self.wq_a(x))  # [N, q_lora], reused by the indexer
@@ -172,7 +176,6 @@ class Attention(nn.Module):
 
         o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
         o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too
-        g = cfg.o_groups
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
         o = torch.einsum("ngi,goi->ngo", o, wo_a)  # [N, g, o_lora]
