@@ -24,13 +24,13 @@ _HALF_STD = re.compile(r"(^|\.)(hc_\w+_base|attn_sink|ape)$")
 
 
 def _normal(shape, std: float, gen: torch.Generator, mean: float = 0.0) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device) * std + mean
 
 
 def _tid2eid(shape, n_experts: int, gen: torch.Generator) -> torch.Tensor:
     """[V, k] int64: for each token, k DISTINCT experts chosen uniformly at random."""
     vocab, k = shape
-    keys = torch.rand((vocab, n_experts), generator=gen)  # a random permutation per row = argsort of keys
+    keys = torch.rand((vocab, n_experts), generator=gen, device=gen.device)  # a random permutation per row = argsort of keys
     return keys.topk(k, dim=1).indices.to(torch.int64)
 
 
@@ -56,13 +56,16 @@ def _draw(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Genera
     return _normal(shape, 1.0 / math.sqrt(shape[-1]), gen)
 
 
-def random_state_dict(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_state_dict(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      device="cpu") -> dict[str, torch.Tensor]:
     """A random model state-dict (model naming, MTP included when the config has it).
 
     Deterministic: one torch.Generator seeded once, tensors drawn in sorted-name order in float32, then
-    cast to ``dtype`` (hc_*, attn_sink, ape, gate.bias stay float32; tid2eid is int64).
+    cast to ``dtype`` (hc_*, attn_sink, ape, gate.bias stay float32; tid2eid is int64). ``device`` picks
+    where they are drawn: the same seed gives the same weights on the same device type (a CUDA generator
+    draws other numbers than the CPU one; use it for big benchmark models).
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     schema = checkpoint_schema(cfg, with_mtp=True)
     out = {}
     for name in sorted(schema):

@@ -53,6 +53,16 @@ class CachedBackend:
         return keys, self.swa_valid.unsqueeze(1)
 
     def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
+        t = self._write_compressed(layer_id, name, comp, kv, score)
+        st = self.storage
+        if name == "main":
+            visible = st.gather_entries(layer_id, t.entry_rows, t.entry_valid)  # [N, E, D]
+        else:
+            visible = st.gather_index_keys(layer_id, t.entry_rows, t.entry_valid)
+        return visible, t.entry_valid.unsqueeze(1)
+
+    def _write_compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
+        """Write this step's compressor-state rows and the entries of the windows closing in this step."""
         st, t = self.storage, self.ratio_tables.get(comp.ratio)
         if t is None:
             raise MissingTableError(f"layer {layer_id} ({name} compressor) needs the step plan's ratio-{comp.ratio}"
@@ -67,8 +77,6 @@ class CachedBackend:
         state[t.state_write] = step_rows
         if name == "main":
             st.write_entries(layer_id, t.win_write, entries)
-            visible = st.gather_entries(layer_id, t.entry_rows, t.entry_valid)  # [N, E, D]
         else:
             st.write_index_keys(layer_id, t.win_write, entries)
-            visible = st.gather_index_keys(layer_id, t.entry_rows, t.entry_valid)
-        return visible, t.entry_valid.unsqueeze(1)
+        return t

@@ -74,6 +74,7 @@ class EngineConfig:
     cuda_graph_config: CudaGraphConfig | None = None
     moe_config: MoeConfig = field(default_factory=MoeConfig)
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA for decode/verify), "torch", "triton"
     enable_attention_dp: bool = False
     tensor_parallel_size: int = 1
     moe_expert_parallel_size: int = 1
@@ -84,6 +85,8 @@ class EngineConfig:
         for name in ("max_batch_size", "max_num_tokens"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise EngineConfigError(f"attention_backend {self.attention_backend!r}: use auto, torch or triton")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise EngineConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 

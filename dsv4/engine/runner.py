@@ -17,6 +17,7 @@ import torch
 from ..cache.storage import CacheStorage
 from ..model.model import DeepseekV4
 from .backend import CachedBackend
+from .cuda_backend import CudaBackend
 from .scheduler import ScheduledSeq
 
 
@@ -27,8 +28,23 @@ class TargetOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, storage: CacheStorage, device):
+    def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto"):
         self.model, self.storage, self.device = model, storage, torch.device(device)
+        # the Triton kernel path for decode-like steps (CUDA, non-fp8 cache), else the plain-torch path
+        self.use_kernels = attention_backend in ("auto", "triton") and CudaBackend.supports(storage)
+        if attention_backend == "triton" and not self.use_kernels:
+            raise ValueError("attention_backend='triton' needs a CUDA device and a bf16/fp32 KV cache")
+        self.max_step_rows = 1 + storage.layout.max_draft_len  # the most rows a decode-like step adds
+
+    def _backend(self, plan):
+        if self.use_kernels and max(plan.num_new) <= self.max_step_rows:
+            return CudaBackend.for_step(plan, self.storage)
+        return CachedBackend.for_step(plan, self.storage)
+
+    def _draft_backend(self, plan, tables):
+        if self.use_kernels:
+            return CudaBackend.for_draft(tables, self.storage, plan.swa_step_base)
+        return CachedBackend.for_draft(tables, self.storage)
 
     def _ids(self, values: list[int], length: int) -> torch.Tensor:
         out = torch.zeros(length, dtype=torch.long)
@@ -39,7 +55,7 @@ class ModelRunner:
     def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
         n_pad = plan.positions.shape[0]
         ids = self._ids([t for s in seqs for t in s.token_ids], n_pad)
-        X = self.model.streams(ids, CachedBackend.for_step(plan, self.storage))
+        X = self.model.streams(ids, self._backend(plan))
         rows, counts = [], []
         start = 0
         for s in seqs:
@@ -78,7 +94,7 @@ class ModelRunner:
                 next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
             pick.append(start + num_accepted[b] - 1)  # the row of the newest committed position
             start += s.num_new
-        backend = CachedBackend.for_step(plan, self.storage)
+        backend = self._backend(plan)
         X_mtp = model.mtp_streams(target.streams, self._ids(next_ids, n_pad), backend)
 
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -101,7 +117,7 @@ class ModelRunner:
         for j in range(2, draft_len + 1):
             tables = plan.draft.step_tables(j, new_lens)
             ids = self._ids([drafts[b][-1] if drafting[b] else 0 for b in range(len(seqs))], b_pad)
-            X_prev = model.mtp_streams(X_prev, ids, CachedBackend.for_draft(tables, self.storage))
+            X_prev = model.mtp_streams(X_prev, ids, self._draft_backend(plan, tables))
             logits = model.mtp_logits_from_streams(X_prev[active_t])
             for i, b in enumerate(active):
                 drafts[b].append(choose(b, j, logits[i]))

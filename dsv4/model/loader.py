@@ -24,14 +24,15 @@ def build_model(cfg: ModelConfig, state_dict: dict, has_mtp: bool, device="cpu")
 def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
                with_mtp: bool | None = None, seed: int = 0) -> DeepseekV4:
     """A checkpoint directory (config.json + safetensors), or a preset name (``tiny``, ``flash-L4-E32``, ...)
-    which gets deterministic random weights from ``seed``."""
+    which gets deterministic random weights from ``seed`` (drawn on ``device``)."""
     if os.path.isdir(checkpoint_dir):
         cfg = load_config(checkpoint_dir)
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp)
     elif is_preset(checkpoint_dir):
         cfg = get_preset(checkpoint_dir)
         has_mtp = cfg.has_mtp if with_mtp is None else with_mtp
-        sd = random_state_dict(cfg, seed=seed, dtype=dtype)
+        # big presets draw on the GPU when the model goes there (seconds instead of minutes)
+        sd = random_state_dict(cfg, seed=seed, dtype=dtype, device=device if str(device).startswith("cuda") else "cpu")
         if not has_mtp:
             sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
     else:

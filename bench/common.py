@@ -1,0 +1,63 @@
+"""Shared helpers of the benchmark scripts: timing on the GPU, a short table, an entry in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeat: int = 1):
+    """Median wall time (s) of fn() with the device synchronised around each call; returns (median, last)."""
+    times, out = [], None
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (median of 10)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t, _ = timed(lambda: b.copy_(a), repeat=10)
+    return 2 * nbytes / t
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"CPU (torch {torch.__version__})"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    fmt = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in fmt]
+    return "\n".join(lines)
+
+
+def report(title: str, text: str, append: str | None, notes: str = ""):
+    """Print the table and append a dated entry (hardware, exact command) to a markdown file."""
+    print(text)
+    if not append:
+        return
+    cmd = " ".join(["python"] + sys.argv)
+    entry = (f"\n## {title}\n\n{datetime.date.today().isoformat()} · {hardware()}\n\n"
+             f"    {cmd}\n\n{text}\n" + (f"\n{notes}\n" if notes else ""))
+    os.makedirs(os.path.dirname(os.path.abspath(append)), exist_ok=True)
+    with open(append, "a") as f:
+        f.write(entry)

@@ -1,0 +1,88 @@
+"""Decode step time against the memory-bandwidth floor: the bytes a decode step must read (weights of the
+layers, the experts the batch routes to, the lm head, the KV it attends to) over the measured device copy
+bandwidth. Batch sizes 1 and 32, no MTP."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from common import copy_bandwidth, report, sync, table
+
+from dsv4 import LLM, SamplingParams
+from dsv4.config import get_preset
+
+
+def step_bytes(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` tokens must read, counted from the config (bf16 weights)."""
+    d, H, D, q, g, o = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    E, k, I, n = cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter_dim, cfg.hc_mult
+    attn = weights = experts = kv = 0.0
+    for r in cfg.compress_ratios:
+        a = q * d + H * D * q + D * d + g * o * (H * D // g) + d * g * o
+        if r:
+            coff = 2 if r == 4 else 1
+            a += 2 * coff * D * d
+            kv += batch * (context // r) * D * elt if r != 4 else batch * min(cfg.index_topk, context // 4) * D * elt
+        if r == 4:
+            dI, nI = cfg.index_head_dim, cfg.index_n_heads
+            a += nI * dI * q + nI * d + 2 * 2 * dI * d
+            kv += batch * (context // 4) * dI * elt  # the indexer scores every entry
+        attn += a * elt
+        weights += (E * d + 3 * I * d) * elt + 2 * (2 + n) * n * n * d * 4  # gate, shared expert, mHC (fp32)
+        distinct = E * (1 - (1 - k / E) ** batch)  # expected experts the batch routes to
+        experts += distinct * 3 * I * d * elt
+        kv += batch * min(cfg.window_size, context) * D * elt
+    head = cfg.vocab_size * d * elt
+    return {"attention": attn, "moe shared+gate+mHC": weights, "routed experts": experts, "lm head": head,
+            "kv": kv, "total": attn + weights + experts + head + kv}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="flash-L4-E32")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--append", default=None)
+    args = ap.parse_args()
+    cfg = get_preset(args.preset)
+    bw = copy_bandwidth()
+    llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
+              max_seq_len=args.prompt_len + args.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2})
+    eng = llm.engine
+    rng = random.Random(0)
+    rows = []
+    for B in args.batch:
+        for i in range(B):
+            eng.add_request([rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)],
+                            SamplingParams(max_tokens=args.steps + 4, ignore_eos=True))
+        eng.step()  # the prefill of all B
+        eng.step()
+        times = []
+        for _ in range(args.steps):
+            sync()
+            t0 = time.perf_counter()
+            eng.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        while eng.has_unfinished_requests():
+            eng.step()
+        t = statistics.median(times)
+        b = step_bytes(cfg, B, args.prompt_len + 4)
+        floor = b["total"] / bw
+        rows.append([B, t * 1e3, floor * 1e3, f"{100 * floor / t:.1f}%", f"{b['total'] / 1e9:.2f}",
+                     f"{b['routed experts'] / 1e9:.2f}", f"{b['lm head'] / 1e9:.2f}"])
+    text = table(["batch", "step ms (median)", "floor ms", "% of floor", "GB read", "of which experts",
+                  "lm head"], rows)
+    report(f"Decode step vs memory-bandwidth floor, {args.preset}, bf16", text, args.append,
+           notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
+                 " as the expected number of distinct experts B tokens route to (6 of E each).")
+
+
+if __name__ == "__main__":
+    main()

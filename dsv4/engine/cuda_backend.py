@@ -1,0 +1,69 @@
+"""The CUDA backend for decode and verify steps: the attention kernel reads the cache in place.
+
+In a step where every request adds at most 1 + max_draft_len tokens (decode, verify, MTP draft steps),
+a token's new window row can be written to the ring BEFORE the attention reads it: a write at position p
+only overwrites position p - swa_cap, which no query of the same step needs (queries of the step are at
+most max_draft_len positions apart, and swa_cap = window + max_draft_len). So the window is plain ring
+rows and the kernel reads the ring and the compressed entries where they lie. Longer prefill chunks use the
+plain-torch CachedBackend (read-before-write over the combined index space).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.sparse_attention import sparse_sink_attention
+from ..model.attention import Compressor
+from .backend import CachedBackend
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """Keys that stay in the cache: ``storage[index]`` where ``valid``."""
+
+    storage: torch.Tensor  # [R, D]
+    index: torch.Tensor  # [N, K]
+    valid: torch.Tensor  # [N, K] bool
+
+
+class CudaBackend(CachedBackend):
+    def __init__(self, *args, swa_step_base: int, **kw):
+        super().__init__(*args, **kw)
+        # this step's own rows are in the ring once written: map their combined indices to ring rows
+        own = self.swa_read >= swa_step_base
+        step_idx = (self.swa_read - swa_step_base).clamp(0, self.swa_write.shape[0] - 1)
+        self.ring_rows = torch.where(own, self.swa_write[step_idx], self.swa_read)
+
+    @classmethod
+    def for_step(cls, plan, storage) -> "CudaBackend":
+        return cls(storage, plan.positions, plan.swa_read, plan.swa_valid, plan.swa_write, plan.ratio_tables,
+                   swa_step_base=plan.swa_step_base)
+
+    @classmethod
+    def for_draft(cls, tables, storage, swa_step_base: int) -> "CudaBackend":
+        return cls(storage, tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write,
+                   swa_step_base=swa_step_base)
+
+    @staticmethod
+    def supports(storage) -> bool:
+        return storage.device.type == "cuda" and not storage.fp8
+
+    def window(self, layer_id: int, kv: torch.Tensor):
+        self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
+        return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid)
+
+    def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
+        if name != "main":  # the indexer scores gathered keys (plain torch for now)
+            return super().compressed(layer_id, name, comp, kv, score)
+        self._write_compressed(layer_id, name, comp, kv, score)
+        t = self.ratio_tables[comp.ratio]
+        return CacheRows(self.storage.entries[layer_id], t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
+
+    def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float):
+        sources = [(window.storage, window.index, window.valid)]
+        if compressed is not None:
+            rows, visible = compressed
+            sources.append((rows.storage, rows.index, visible[:, 0]))
+        return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale).unsqueeze(1)
