@@ -25,6 +25,22 @@ def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
                with_mtp: bool | None = None, seed: int = 0) -> DeepseekV4:
     """A checkpoint directory (config.json + safetensors), or a preset name (``tiny``, ``flash-L4-E32``, ...)
     which gets deterministic random weights from ``seed`` (drawn on ``device``)."""
+    cfg, sd, has_mtp = load_state(checkpoint_dir, device, dtype, with_mtp, seed)
+    return build_model(cfg, sd, has_mtp, device)
+
+
+def model_config(checkpoint_dir: str) -> ModelConfig:
+    """The config of a checkpoint directory or preset, without reading any weights."""
+    if os.path.isdir(checkpoint_dir):
+        return load_config(checkpoint_dir)
+    if is_preset(checkpoint_dir):
+        return get_preset(checkpoint_dir)
+    raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
+
+
+def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
+               with_mtp: bool | None = None, seed: int = 0) -> tuple[ModelConfig, dict, bool]:
+    """(config, full state dict, has_mtp) as ``load_model`` reads them (a multi-device rank slices its share)."""
     if os.path.isdir(checkpoint_dir):
         cfg = load_config(checkpoint_dir)
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp)
@@ -37,4 +53,4 @@ def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
             sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
     else:
         raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
-    return build_model(cfg, sd, has_mtp, device)
+    return cfg, sd, has_mtp
