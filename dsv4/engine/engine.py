@@ -91,7 +91,7 @@ class LLMEngine:
         mtp = self.draft_len > 0
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (mtp and s.sample) else 0) for s in seqs],
-            device=self.device)
+            device=self.device, **self.runner.padding_for(seqs))
         try:
             accepted, emitted = self._run(seqs, plan, mtp)
         except BaseException:

@@ -36,6 +36,18 @@ class ModelRunner:
             raise ValueError("attention_backend='triton' needs a CUDA device and a bf16/fp32 KV cache")
         self.max_step_rows = 1 + storage.layout.max_draft_len  # the most rows a decode-like step adds
 
+        self.graphs = None  # a GraphRunner once graphs are prepared (CUDA, not enforce_eager)
+
+    def padding_for(self, seqs: list[ScheduledSeq]) -> dict:
+        """begin_step padding that makes the step replay a CUDA graph bucket (empty: run eagerly)."""
+        if self.graphs is None:
+            return {}
+        bucket = self.graphs.bucket_for(len(seqs), [s.num_new for s in seqs])
+        return self.graphs.padding(bucket) if bucket else {}
+
+    def _graphed(self, plan) -> bool:
+        return self.graphs is not None and self.graphs.matches(plan)
+
     def _backend(self, plan):
         if self.use_kernels and max(plan.num_new) <= self.max_step_rows:
             return CudaBackend.for_step(plan, self.storage)
@@ -55,7 +67,7 @@ class ModelRunner:
     def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
         n_pad = plan.positions.shape[0]
         ids = self._ids([t for s in seqs for t in s.token_ids], n_pad)
-        X = self.model.streams(ids, self._backend(plan))
+        X = self.graphs.target(plan, ids) if self._graphed(plan) else self.model.streams(ids, self._backend(plan))
         rows, counts = [], []
         start = 0
         for s in seqs:
@@ -94,8 +106,10 @@ class ModelRunner:
                 next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
             pick.append(start + num_accepted[b] - 1)  # the row of the newest committed position
             start += s.num_new
-        backend = self._backend(plan)
-        X_mtp = model.mtp_streams(target.streams, self._ids(next_ids, n_pad), backend)
+        if self._graphed(plan):
+            X_mtp = self.graphs.mtp(plan, self._ids(next_ids, n_pad))
+        else:
+            X_mtp = model.mtp_streams(target.streams, self._ids(next_ids, n_pad), self._backend(plan))
 
         drafts: list[list[int]] = [[] for _ in seqs]
         active = [b for b in range(len(seqs)) if drafting[b]]

@@ -11,6 +11,12 @@ from ..config import ModelConfig
 from .ops import swiglu
 
 
+def _have_triton() -> bool:
+    from ..kernels import HAVE_TRITON
+
+    return HAVE_TRITON
+
+
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, is_hash: bool):
         super().__init__()
@@ -47,12 +53,20 @@ class Experts(nn.Module):
         super().__init__()
         E, I, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size
         self.limit = cfg.swiglu_limit
+        self.grouped_kernel = _have_triton()
         self.w1 = nn.Parameter(torch.empty(E, I, d))
         self.w2 = nn.Parameter(torch.empty(E, d, I))
         self.w3 = nn.Parameter(torch.empty(E, I, d))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns fp32 [N, d]."""
+        """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns fp32 [N, d].
+
+        On CUDA the grouping happens on the device (a Triton grouped GEMM, no host sync, graph-safe);
+        this host-side loop is its plain-torch twin."""
+        if x.is_cuda and self.grouped_kernel:
+            from ..kernels.moe import grouped_experts  # lazy: kernels import model.ops
+
+            return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit)
         N, k = ids.shape
         flat = ids.flatten()  # [N*k] one row per (token, choice)
         order = flat.argsort(stable=True)  # rows grouped by expert
