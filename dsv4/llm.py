@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -23,12 +24,13 @@ from .engine.engine import LLMEngine, RequestError
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .engine.warmup import run_warmup
-from .model.loader import load_model
+from .model.loader import load_model, model_config
+from .parallel.mapping import ParallelMapping
 
 log = logging.getLogger("dsv4")
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
 
 
 def _resolve_dtype(dtype, device: str) -> torch.dtype:
@@ -37,7 +39,7 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in _DTYPES:
-        raise EngineConfigError(f"dtype {dtype!r}: use auto, fp32 or bf16")
+        raise EngineConfigError(f"dtype {dtype!r}: use auto, fp32, bf16 (or fp16, fp64)")
     return _DTYPES[dtype]
 
 
@@ -54,17 +56,43 @@ class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype="auto", warmup: bool = True, **settings):
         """``model``: a checkpoint directory or a preset name (``tiny``, ``tiny-r128``, ``flash-L4-E32``).
         ``settings``: the EngineConfig fields (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config,
-        speculative_config, cuda_graph_config, moe_config, enforce_eager, enable_attention_dp, ...)."""
+        speculative_config, cuda_graph_config, moe_config, enforce_eager, enable_attention_dp, ...).
+
+        Several devices: ``tensor_parallel_size`` / ``moe_expert_parallel_size`` / ``enable_attention_dp``
+        start max(tp, ep) ranks (see ``dsv4.parallel``); this process is rank 0, the driver. Call
+        ``shutdown()`` (or use ``with LLM(...) as llm``) to stop the other ranks before building another."""
         if isinstance(settings.get("kv_cache_config"), KvCacheConfig):
             settings["kv_cache_config"] = vars(settings["kv_cache_config"])
         cfg: EngineConfig = from_dict(EngineConfig, {"device": device, **settings})
-        self._refuse_unsupported(cfg)
+        self._group = None
+        self.mapping = ParallelMapping.from_engine_config(cfg)  # refuses what cannot run (pp > 1, ...)
+        self.mapping.check_devices(device)
+        if self.mapping.world_size > 1:
+            from .parallel.driver import serve_torchrun, torchrun_rank
+
+            self.mapping.check_model(model_config(model))
+            if torchrun_rank() not in (None, 0):
+                serve_torchrun(device, self.mapping)  # ranks >= 1 under torchrun serve rank 0, then exit
         self.config = cfg
         self.notes = self._mapping_notes(cfg, device)
         torch_dtype = _resolve_dtype(dtype, device)
         with_mtp = True if cfg.speculative_config else None
         try:
-            self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed)
+            self._build(model, cfg, device, torch_dtype, with_mtp, warmup)
+        except BaseException:
+            self.shutdown()  # a multi-device start that failed leaves no rank behind
+            raise
+
+    def _build(self, model: str, cfg: EngineConfig, device: str, torch_dtype, with_mtp, warmup: bool):
+        try:
+            if self.mapping.world_size == 1:
+                self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed)
+            else:
+                from .parallel.driver import load_rank_model, start_group
+
+                self._group = start_group(self.mapping, device)
+                weakref.finalize(self, self._group.shutdown)
+                _, self.model = load_rank_model(model, self._group, self.mapping, torch_dtype, with_mtp, cfg.seed)
         except Exception as e:
             if with_mtp and "mtp" in str(e).lower():
                 raise EngineConfigError(f"speculative_config asks for MTP but {model!r} cannot provide it: {e}."
@@ -93,24 +121,34 @@ class LLM:
             budget = budget_from_fraction(kvc.free_gpu_memory_fraction, device)
         self.cache_sizing = size_cache(layout, torch_dtype, kv_dtype, budget, cfg.max_batch_size, max_seq_len)
         log.info("%s", self.cache_sizing.describe())
-        cache = KVCacheManager(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks)
-        storage = CacheStorage(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks, device=device,
-                               dtype=torch_dtype, kv_dtype=kv_dtype)
         self.tokenizer = _load_tokenizer(model) if os.path.isdir(model) else None
-        self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, max_seq_len, tokenizer=self.tokenizer)
+        if self._group is None:
+            cache = KVCacheManager(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks)
+            storage = CacheStorage(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks, device=device,
+                                   dtype=torch_dtype, kv_dtype=kv_dtype)
+            self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, max_seq_len, tokenizer=self.tokenizer)
+        else:
+            from .parallel.driver import RankSetup, start_ranks
+
+            setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) else model, torch_dtype, cfg.seed,
+                              self.model.has_mtp, cfg.draft_len, kvc.tokens_per_block, kv_dtype,
+                              self.cache_sizing.num_slots, self.cache_sizing.num_blocks, self.mapping,
+                              cfg.attention_backend)
+            self.engine = start_ranks(self._group, setup, self.model, mcfg, cfg, max_seq_len, self.tokenizer, device)
         self.warmup_paths = run_warmup(self.engine) if warmup else []
 
-    @staticmethod
-    def _refuse_unsupported(cfg: EngineConfig):
-        multi = {"tensor_parallel_size": cfg.tensor_parallel_size, "moe_expert_parallel_size":
-                 cfg.moe_expert_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
-        for k, v in multi.items():
-            if v != 1:
-                raise EngineConfigError(f"{k}={v}: this build runs on one device; multi-device execution is not"
-                                        " implemented yet (set it to 1)")
-        if cfg.enable_attention_dp:
-            raise EngineConfigError("enable_attention_dp=true needs several ranks; multi-device execution is not"
-                                    " implemented yet (set enable_attention_dp: false)")
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the process groups (multi-device; nothing to do on one device).
+        Also runs when the LLM is garbage-collected or the interpreter exits."""
+        if self._group is not None:
+            self._group.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def _mapping_notes(self, cfg: EngineConfig, device: str) -> list[str]:
         """Settings honoured differently from what they name: said once, visibly (log + llm.notes)."""
         notes = []
@@ -191,4 +229,5 @@ class LLM:
         stats["kv_cache"] = {"num_slots": self.cache_sizing.num_slots, "num_blocks": self.cache_sizing.num_blocks,
                              "tokens_per_block": self.config.kv_cache_config.tokens_per_block,
                              "dtype": self.config.kv_cache_config.dtype, "summary": self.cache_sizing.describe()}
+        stats["parallel"] = self.mapping.describe()  # world_size: the devices per-device throughput divides by
         return stats

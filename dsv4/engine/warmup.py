@@ -19,11 +19,13 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int]]:
     of max_batch_size, and with MTP a verify + draft at the configured draft length (it follows the
     decode batch's first step, so its requests generate enough tokens to verify twice)."""
     cfg = engine.cfg
+    # under attention data parallelism every rank has its own batch limits: warm them all up at once
+    lanes = getattr(engine, "num_lanes", 1)
     chunk = min(cfg.max_num_tokens, engine.max_seq_len - 2)
-    batch = min(cfg.max_batch_size, engine.cache.num_free_slots)
+    batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
     steps = 2 + 2 * (engine.draft_len + 1) if engine.draft_len else 2
     decode_prompt = max(1, min(4, engine.max_seq_len - steps - 1))
-    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk], 2),
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, 2),
              ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, 2)]
     if engine.draft_len:
         paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",

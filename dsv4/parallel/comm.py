@@ -1,0 +1,386 @@
+"""Ranks, their process groups, the driver's messages, and failure.
+
+Who launches what. Rank 0 is the driver: the process that built the ``LLM``. With ``launch`` it hosts a
+``TCPStore`` and starts ranks 1..W-1 as ``python -m dsv4.parallel.worker`` processes (no re-import of the
+user's script); under ``torchrun`` (RANK / WORLD_SIZE set) every process is already there and rank 0 is the
+driver. Every rank joins two groups:
+
+* the data group (the default group: NCCL on CUDA, gloo on CPU): the model's collectives (all-reduce
+  after ``wo_b`` and after the experts, the token all-gather of attention DP), with ``DSV4_DIST_TIMEOUT_S``
+  (default 300 s) as the bound on any one collective;
+* the control group (gloo, no practical timeout since a worker may wait idle for the next request): the
+  driver's step messages (``broadcast_object_list``) and, under attention DP, logits gathered to the driver.
+
+Failure. Whatever rank fails first writes ``"<rank>\\n<message>"`` under ``ABORT_KEY`` in the store
+(compare-and-set: the first writer wins) and exits. Every worker runs a monitor thread that exits its
+process as soon as the key is set, the store is gone, or its parent died; a blocked gloo collective on
+the driver fails as soon as a peer's sockets close. The driver then (``fail``) stops the remaining
+ranks and raises ``RankError`` naming the first failing rank and its message. A failed group is dead: the
+``LLM`` that owned it refuses further work.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("dsv4")
+
+ABORT_KEY = "dsv4/abort"
+TIMEOUT_ENV = "DSV4_DIST_TIMEOUT_S"
+_CONTROL_TIMEOUT = datetime.timedelta(days=30)
+_POLL_S = 0.1
+
+
+class StopMsg:
+    """The driver's last message: the workers exit."""
+
+
+class RankError(RuntimeError):
+    """A rank failed; every rank has been stopped. ``rank`` is the first rank that failed."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank, self.message = rank, message
+        self.pids: list[int] = []
+
+
+def data_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
+
+
+def describe_exception(e: BaseException) -> str:
+    """One line of type and message, plus where it was raised (for the launcher's error)."""
+    msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+    tb = traceback.extract_tb(e.__traceback__)
+    if tb:
+        f = tb[-1]
+        msg += f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
+    return msg
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """A collective that failed because some other rank went away (not this rank's own fault)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(s in text for s in ("Connection closed", "Connection reset", "gloo", "NCCL", "Timed out",
+                                   "timed out", "Broken pipe"))
+
+
+def _backend_for(device: str) -> str:
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of ``rank``: cuda:(base + rank) on CUDA (base = the driver's index), the CPU otherwise."""
+    if str(device).startswith("cuda"):
+        base = torch.device(device).index or 0
+        return f"cuda:{base + rank}"
+    return "cpu"
+
+
+class Collectives:
+    """The model's collectives over the data group (the same calls on gloo and NCCL)."""
+
+    def __init__(self, rank: int, world_size: int, backend: str):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns ``t``."""
+        dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank (same n) -> [world * n, ...], rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=0)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """[world * n, ...] partial sums on every rank -> this rank's n rows of the sum."""
+        n = t.shape[0] // self.world_size
+        if self.backend == "nccl":
+            out = torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.reduce_scatter_tensor(out, t.contiguous())
+            return out
+        dist.all_reduce(t)  # gloo has no reduce-scatter: reduce everything, keep our rows
+        return t[self.rank * n:(self.rank + 1) * n]
+
+
+class RankGroup:
+    """This process's place in the world: rank, groups, the store, and on the driver the worker processes."""
+
+    def __init__(self, rank: int, world_size: int, device: str, store_addr: tuple[str, int],
+                 procs: list | None = None):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.backend = _backend_for(device)
+        self.store_addr = store_addr
+        self.procs = procs or []  # rank r >= 1 at index r - 1 (driver with launch only)
+        self.control = None
+        self.collectives = Collectives(rank, world_size, self.backend)
+        self.failed: RankError | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        self._saved_threads: int | None = None
+        self._owns_default = True
+
+    # ---- starting ---------------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, world_size: int, device: str, startup_timeout_s: float = 120.0) -> "RankGroup":
+        """The driver: host the store, start ranks 1..world-1 as worker processes, join the groups."""
+        if dist.is_initialized():
+            from ..engine.config import EngineConfigError
+
+            raise EngineConfigError("torch.distributed is already initialised in this process (is another"
+                                    " multi-device LLM still running? call its shutdown() first)")
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=startup_timeout_s))
+        addr = ("127.0.0.1", store.port)
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        procs = []
+        for r in range(1, world_size):
+            cmd = [sys.executable, "-m", "dsv4.parallel.worker", "--rank", str(r), "--world-size", str(world_size),
+                   "--store", f"{addr[0]}:{addr[1]}", "--device", device, "--parent", str(os.getpid())]
+            procs.append(subprocess.Popen(cmd, env=env))
+        group = cls(0, world_size, device, addr, procs)
+        group._store = store
+        if group.backend == "gloo":  # CPU ranks share the cores: give the driver its share too (restored later)
+            group._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        try:
+            group._wait_alive(store, startup_timeout_s)
+            group._join(store)
+        except BaseException as e:
+            raise group.fail(e) from e
+        group._start_driver_monitor()
+        log.info("started %d ranks (%s), store %s:%d", world_size, group.backend, *addr)
+        return group
+
+    def _wait_alive(self, store, timeout_s: float) -> None:
+        """Fail fast if a worker dies before joining (init_process_group would wait for the whole timeout)."""
+        keys = [f"dsv4/alive/{r}" for r in range(1, self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            for r, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    raise RuntimeError(f"rank {r} exited during start-up with code {p.returncode}")
+            if store.check([ABORT_KEY]):
+                raise RuntimeError("a rank failed during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not start within {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+
+    @classmethod
+    def join_as_worker(cls, rank: int, world_size: int, store_addr: tuple[str, int], device: str,
+                       parent_pid: int | None) -> "RankGroup":
+        store = dist.TCPStore(store_addr[0], store_addr[1], world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=120))
+        group = cls(rank, world_size, device, store_addr)
+        group._store = store
+        group._start_worker_monitor(parent_pid)
+        store.set(f"dsv4/alive/{rank}", "1")
+        group._join(store)
+        return group
+
+    @classmethod
+    def from_torchrun(cls, world_size: int, device: str) -> "RankGroup":
+        """Every rank was started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
+        rank = int(os.environ["RANK"])
+        addr = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            from ..engine.config import EngineConfigError
+
+            raise EngineConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the settings ask"
+                                    f" for {world_size} ranks (max(tp, ep)); start torchrun with"
+                                    f" --nproc-per-node {world_size}")
+        group = cls(rank, world_size, device, addr)
+        group._join(None)  # env:// (whoever hosts the store, it exists once this returns)
+        group._store = dist.TCPStore(addr[0], addr[1], world_size, is_master=False,
+                                     timeout=datetime.timedelta(seconds=120))
+        if rank != 0:
+            group._start_worker_monitor(None)
+        else:
+            group._start_driver_monitor()
+        return group
+
+    def _join(self, store) -> None:
+        if self.backend == "nccl":
+            torch.cuda.set_device(torch.device(self.device_of_rank()))
+        if dist.is_initialized():  # torchrun, and the script initialised the default group itself: use it
+            if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+                raise RuntimeError(f"the default process group is rank {dist.get_rank()} of"
+                                   f" {dist.get_world_size()}, the settings ask for {self.world_size} ranks")
+            self._owns_default = False
+        else:
+            kw = {"store": store} if store is not None else {"init_method": "env://"}
+            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=data_timeout(), **kw)
+        self.control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+
+    def device_of_rank(self) -> str:
+        if str(self.device).startswith("cuda") and "LOCAL_RANK" in os.environ:
+            return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        return rank_device(self.device, self.rank)
+
+    # ---- messages (control group) -------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        """Driver: one message to every rank."""
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+
+    def recv(self):
+        """Worker: the driver's next message (waits as long as the driver is idle)."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank contributes ``obj``; the driver gets the list in rank order, workers get None."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
+    # ---- failure --------------------------------------------------------------------------------------------
+    def _abort_message(self) -> str | None:
+        try:
+            if self._store.check([ABORT_KEY]):
+                return self._store.get(ABORT_KEY).decode()
+        except Exception:
+            return None
+        return None
+
+    def report(self, e: BaseException) -> tuple[int, str]:
+        """Record this rank's failure unless another rank failed first; returns the first (rank, message)."""
+        own = describe_exception(e)
+        if _is_comm_error(e):  # most likely a symptom: give the rank that failed first time to say so
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and self._abort_message() is None:
+                time.sleep(_POLL_S)
+        try:
+            first = self._store.compare_set(ABORT_KEY, "", f"{self.rank}\n{own}").decode()
+        except Exception:
+            first = self._abort_message() or f"{self.rank}\n{own}"
+        rank, _, msg = first.partition("\n")
+        return int(rank), msg
+
+    def _start_worker_monitor(self, parent_pid: int | None) -> None:
+        """Exit this worker process as soon as any rank has failed, the driver's store is gone, or the
+        parent died: a worker must never outlive a failed group, whatever it is blocked in."""
+        mon = dist.TCPStore(self.store_addr[0], self.store_addr[1], self.world_size, is_master=False,
+                            timeout=datetime.timedelta(seconds=30))
+
+        def watch():
+            while True:
+                time.sleep(_POLL_S)
+                try:
+                    aborted = mon.check([ABORT_KEY])
+                except Exception:
+                    os._exit(1)
+                if aborted or (parent_pid is not None and os.getppid() != parent_pid):
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="dsv4-rank-monitor", daemon=True).start()
+
+    def _start_driver_monitor(self) -> None:
+        """Watch for a failed rank while the driver may be blocked in a collective. A gloo collective fails by
+        itself once the failed rank's sockets close; an NCCL one may not until its timeout, so the process
+        groups are aborted (which makes the blocked call raise; ``fail`` then reports the first failure)."""
+        mon = dist.TCPStore(self.store_addr[0], self.store_addr[1], self.world_size, is_master=False,
+                            timeout=datetime.timedelta(seconds=30))
+
+        def watch():
+            while not (self.closed or self.failed is not None):
+                time.sleep(_POLL_S)
+                try:
+                    aborted = mon.check([ABORT_KEY])
+                except Exception:
+                    return
+                died = [r for r, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
+                if self.closed or self.failed is not None:
+                    return
+                if died and not aborted:  # killed without a word (OOM killer, signal): say who
+                    p = self.procs[died[0] - 1]
+                    mon.compare_set(ABORT_KEY, "", f"{died[0]}\nthe rank's process exited with code {p.returncode}"
+                                    " (killed, or crashed outside Python; see its output)")
+                    aborted = True
+                if aborted:
+                    if self.backend == "nccl":
+                        try:
+                            dist.distributed_c10d._abort_process_group()
+                        except Exception:  # pragma: no cover - best effort on the way down
+                            pass
+                    return
+
+        threading.Thread(target=watch, name="dsv4-driver-monitor", daemon=True).start()
+
+    def fail(self, e: BaseException) -> RankError:
+        """Driver: stop every rank after ``e`` and return the error to raise (the first failing rank's)."""
+        with self._lock:
+            if self.failed is not None:
+                return self.failed
+            rank, msg = self.report(e)
+            err = RankError(rank, msg)
+            err.pids = [p.pid for p in self.procs]
+            self._stop_workers(grace_s=3.0)
+            self._destroy()
+            self.failed = err
+            log.error("%s; all %d ranks stopped", err, self.world_size)
+            return err
+
+    def _stop_workers(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _destroy(self) -> None:
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
+        try:
+            if not self._owns_default:
+                if self.control is not None:
+                    dist.destroy_process_group(self.control)
+            elif dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # pragma: no cover - tearing down after a failure
+            pass
+
+    def check_alive(self) -> None:
+        if self.failed is not None:
+            raise RankError(self.failed.rank, f"{self.failed.message} (the ranks stopped then; build a new LLM)")
+        if self.closed:
+            raise RuntimeError("this LLM's ranks were shut down (LLM.shutdown()); build a new LLM")
+
+    def shutdown(self) -> None:
+        """Driver: tell the workers to exit, wait for them, leave the groups."""
+        with self._lock:
+            if self.closed or self.failed is not None:
+                return
+            self.closed = True
+            try:
+                self.send(StopMsg())
+            except Exception:
+                pass
+            self._stop_workers(grace_s=10.0)
+            self._destroy()

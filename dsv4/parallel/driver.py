@@ -1,0 +1,146 @@
+"""Building the ranks: what the driver tells every rank at start-up, what each rank builds, the driver's engine.
+
+Start-up: the driver starts the ranks (``RankGroup.launch``, or they are torchrun's), loads its own shard,
+sizes the cache, then sends one ``RankSetup`` to every rank. Each rank loads the full state dict, keeps its
+share (``build_shard``), allocates its ONE cache (target layers and the MTP layer, R1) with the driver's
+slot and block counts, and reports ready (a gather: a rank that failed makes it fail). Then the workers
+``follow`` the driver's steps; the driver runs a ``DistributedEngine``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.layout import CacheLayout
+from ..cache.manager import KVCacheManager
+from ..cache.storage import CacheStorage
+from ..engine.engine import LLMEngine
+from ..engine.scheduler import Scheduler
+from ..model.loader import load_state
+from .comm import RankGroup
+from .executor import DistributedRunner, LaneRunner, StopMsg, follow
+from .lanes import DataParallelScheduler, LaneCaches
+from .mapping import ParallelMapping
+from .shard import build_shard
+
+log = logging.getLogger("dsv4")
+
+FAIL_ENV = "DSV4_INJECT_FAILURE"  # test hook: "<rank>:<setup|forward|propose>[:<n>]" makes that rank raise
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    model: str  # checkpoint directory or preset name
+    dtype: torch.dtype
+    seed: int
+    with_mtp: bool
+    draft_len: int
+    tokens_per_block: int
+    kv_dtype: str
+    num_slots: int
+    num_blocks: int
+    mapping: ParallelMapping
+    attention_backend: str = "auto"
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank if torchrun (or a compatible launcher) started it, else None."""
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ["RANK"])
+    return None
+
+
+def start_group(mapping: ParallelMapping, device: str) -> RankGroup:
+    if torchrun_rank() is not None:
+        return RankGroup.from_torchrun(mapping.world_size, device)
+    return RankGroup.launch(mapping.world_size, device)
+
+
+def load_rank_model(model: str, group: RankGroup, mapping: ParallelMapping, dtype, with_mtp, seed):
+    """(config, this rank's model shard)."""
+    device = group.device_of_rank()
+    cfg, sd, has_mtp = load_state(model, device, dtype, with_mtp, seed)
+    return cfg, build_shard(cfg, sd, has_mtp, mapping.with_rank(group.rank), group.collectives, device)
+
+
+def _maybe_fail(rank: int, where: str, count: int) -> None:
+    spec = os.environ.get(FAIL_ENV, "")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if int(parts[0]) == rank and parts[1] == where and count == (int(parts[2]) if len(parts) > 2 else 1):
+        raise RuntimeError(f"injected failure ({FAIL_ENV}={spec}) on rank {rank} at {where} #{count}")
+
+
+def serve(group: RankGroup) -> None:
+    """A worker rank: set up from the driver's RankSetup, report ready, follow the steps until stop."""
+    setup = group.recv()
+    if isinstance(setup, StopMsg):  # the driver gave up before sending the setup
+        return
+    _maybe_fail(group.rank, "setup", 1)
+    if group.backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    cfg, model = load_rank_model(setup.model, group, setup.mapping, setup.dtype, setup.with_mtp, setup.seed)
+    layout = CacheLayout(cfg, setup.draft_len, setup.tokens_per_block)
+    device = group.device_of_rank()
+    storage = CacheStorage(layout, setup.num_slots, setup.num_blocks, device=device, dtype=setup.dtype,
+                           kv_dtype=setup.kv_dtype)
+    runner = LaneRunner(model, storage, device, setup.attention_backend)
+    group.gather("ready")
+    counts = {}
+
+    def on_message(msg):
+        kind = {"ForwardMsg": "forward", "ProposeMsg": "propose"}.get(type(msg).__name__)
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
+            _maybe_fail(group.rank, kind, counts[kind])
+
+    follow(group, runner, layout, setup.num_slots, setup.mapping.attention_dp, on_message)
+
+
+def serve_torchrun(device: str, mapping: ParallelMapping) -> None:
+    """A rank >= 1 under torchrun: serve the driver (rank 0), then end this process."""
+    from .worker import run_worker
+
+    run_worker(lambda: RankGroup.from_torchrun(mapping.world_size, device))
+
+
+class DistributedEngine(LLMEngine):
+    """The engine on the driver: LLMEngine whose runner announces every pass to the other ranks; under
+    attention DP its scheduler and cache are the per-rank compositions of ``lanes.py``."""
+
+    def __init__(self, model, model_cfg, layout: CacheLayout, storage, engine_cfg, max_seq_len: int, tokenizer,
+                 group: RankGroup, mapping: ParallelMapping, num_slots: int, num_blocks: int):
+        lanes = mapping.dp_size
+        managers = [KVCacheManager(layout, num_slots, num_blocks) for _ in range(lanes)]
+        lane_of: dict = {}
+        cache = managers[0] if lanes == 1 else LaneCaches(managers, lane_of, layout, num_slots)
+        super().__init__(model, model_cfg, cache, storage, engine_cfg, max_seq_len, tokenizer=tokenizer)
+        self.group, self.mapping = group, mapping
+        self.num_lanes = lanes  # warmup fills every lane
+        self.runner = DistributedRunner(model, storage, self.device, engine_cfg.attention_backend, group, mapping)
+        if lanes > 1:
+            self.scheduler = DataParallelScheduler(
+                [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens, self.draft_len)
+                 for m in managers], lane_of)
+
+
+def start_ranks(group: RankGroup, setup: RankSetup, model, model_cfg, engine_cfg, max_seq_len: int, tokenizer,
+                device: str) -> DistributedEngine:
+    """Driver: send the setup, build its own cache and engine, wait until every rank is ready."""
+    try:
+        group.send(setup)
+        layout = CacheLayout(model_cfg, setup.draft_len, setup.tokens_per_block)
+        storage = CacheStorage(layout, setup.num_slots, setup.num_blocks, device=device, dtype=setup.dtype,
+                               kv_dtype=setup.kv_dtype)
+        engine = DistributedEngine(model, model_cfg, layout, storage, engine_cfg, max_seq_len, tokenizer, group,
+                                   setup.mapping, setup.num_slots, setup.num_blocks)
+        group.gather("ready")
+    except BaseException as e:
+        raise group.fail(e) from e
+    log.info("%d ranks ready: %s", group.world_size, setup.mapping.describe())
+    return engine

@@ -1,0 +1,156 @@
+"""One rank's part of the model: slice the state dict, build the model with the split modules.
+
+What is split (see ``mapping.py``): attention heads by whole output groups (``wq_b`` rows, ``attn_sink``,
+``wo_a`` rows, ``wo_b`` input columns, then a sum over ranks), and the routed experts (``E / ep`` experts
+per expert-parallel rank, their intermediate dimension split ``moe_tp`` ways). Everything else is
+replicated: the shared K=V head, ``wq_a`` / ``q_norm``, the compressors and the indexer, the gate, the
+shared expert, embedding, head, norms, mHC, and the MTP module's projections. The MTP block is split like
+the target blocks. The model code is unchanged: ``Attention`` reads its head count from ``wq_b``; the
+split modules below replace ``wo_b`` and ``experts`` and carry the collectives.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..model.model import DeepseekV4
+from ..model.ops import swiglu
+from .comm import Collectives
+from .mapping import ParallelMapping
+
+_BLOCK = r"^(layers\.\d+|mtp\.0)\."
+_WQ_B = re.compile(_BLOCK + r"attn\.wq_b\.weight$")
+_SINK = re.compile(_BLOCK + r"attn\.attn_sink$")
+_WO_A = re.compile(_BLOCK + r"attn\.wo_a\.weight$")
+_WO_B = re.compile(_BLOCK + r"attn\.wo_b\.weight$")
+_W13 = re.compile(_BLOCK + r"ffn\.experts\.w[13]$")
+_W2 = re.compile(_BLOCK + r"ffn\.experts\.w2$")
+
+
+def _share(n: int, parts: int, index: int) -> slice:
+    size = n // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelMapping) -> dict[str, torch.Tensor]:
+    """This rank's tensors (copies of the slices, so the full tensors can be freed)."""
+    H, D, g, o = cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    t, tr = m.attn_tp, (m.rank if m.attn_tp > 1 else 0)
+    heads = _share(H, t, tr)
+    experts = _share(cfg.n_routed_experts, m.ep, m.ep_rank)
+    inter = _share(cfg.moe_inter_dim, m.moe_tp, m.moe_tp_rank)
+    out = {}
+    for name, x in sd.items():
+        if t > 1 and _WQ_B.match(name):  # [H*D, q]: head h is rows h*D .. h*D+D-1
+            x = x[heads.start * D:heads.stop * D]
+        elif t > 1 and _SINK.match(name):  # [H]
+            x = x[heads]
+        elif t > 1 and _WO_A.match(name):  # [g*o, H*D/g]: group i is rows i*o .. i*o+o-1, heads of group i
+            x = x[_share(g, t, tr).start * o:_share(g, t, tr).stop * o]
+        elif t > 1 and _WO_B.match(name):  # [d, g*o]: input columns follow the groups
+            x = x[:, _share(g, t, tr).start * o:_share(g, t, tr).stop * o]
+        elif _W13.match(name):  # [E, I, d]
+            x = x[experts, inter]
+        elif _W2.match(name):  # [E, d, I]
+            x = x[experts, :, inter]
+        else:
+            out[name] = x
+            continue
+        out[name] = x.clone()
+    return out
+
+
+class RowParallelLinear(nn.Linear):
+    """``wo_b`` over this rank's input columns (its heads' groups); the partial outputs are summed."""
+
+    def __init__(self, in_features: int, out_features: int, comm: Collectives):
+        super().__init__(in_features, out_features, bias=False)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(F.linear(x, self.weight))
+
+
+class ParallelExperts(nn.Module):
+    """This rank's routed experts (global ids ``first_expert .. first_expert + E_local - 1``, intermediate
+    slice of width I_local): every rank routes its tokens with the replicated gate, computes its experts'
+    contributions, and the contributions are summed over ranks.
+
+    ``gather_tokens`` (attention DP): each rank holds only its own tokens, so the tokens, weights and ids of
+    all ranks are all-gathered first (every rank pads to the same count), and after the sum each rank keeps
+    its own rows (reduce-scatter). Returns fp32 [N, d] like ``Experts``.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_local: int, first_expert: int, inter_local: int,
+                 comm: Collectives, gather_tokens: bool):
+        super().__init__()
+        d = cfg.hidden_size
+        self.limit = cfg.swiglu_limit
+        self.first_expert, self.num_local = first_expert, num_local
+        self.comm, self.gather_tokens = comm, gather_tokens
+        self.w1 = nn.Parameter(torch.empty(num_local, inter_local, d))
+        self.w2 = nn.Parameter(torch.empty(num_local, d, inter_local))
+        self.w3 = nn.Parameter(torch.empty(num_local, inter_local, d))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.gather_tokens:
+            x, weights, ids = (self.comm.all_gather(t) for t in (x, weights, ids))
+            return self.comm.reduce_scatter(self._local(x, weights, ids))
+        return self.comm.all_reduce(self._local(x, weights, ids))
+
+    def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Contributions of this rank's experts: fp32 [N, d], zeros for tokens routed elsewhere."""
+        N, k = ids.shape
+        local = ids.flatten() - self.first_expert  # [N*k] one row per (token, choice)
+        mine = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)
+        order = local[mine].argsort(stable=True)  # grouped by expert, token order inside a group
+        rows = mine[order]
+        counts = torch.bincount(local[rows], minlength=self.num_local).tolist()
+        tok = rows // k
+        xs = x[tok]
+        ws = weights.flatten()[rows].unsqueeze(-1)
+        y = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                seg = slice(start, start + c)
+                h = swiglu(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit)  # [c, I_local] fp32
+                h = (h * ws[seg]).to(x.dtype)  # routing weight before w2, as the single-device path does
+                y.index_add_(0, tok[seg], (h @ self.w2[e].t()).float())
+                start += c
+        return y
+
+
+def _parallelize(model: DeepseekV4, cfg: ModelConfig, m: ParallelMapping, comm: Collectives) -> None:
+    """Swap in the split modules (on the meta device, before the shard's tensors are adopted)."""
+    D, g, o = cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    t = m.attn_tp
+    for blk in list(model.layers) + list(model.mtp):
+        attn = blk.attn
+        if t > 1:
+            H_l, g_l = cfg.num_heads // t, g // t
+            attn.wq_b = nn.Linear(cfg.q_lora_rank, H_l * D, bias=False)
+            attn.attn_sink = nn.Parameter(torch.empty(H_l, dtype=torch.float32))
+            attn.wo_a = nn.Linear(cfg.num_heads * D // g, g_l * o, bias=False)
+            attn.wo_b = RowParallelLinear(g_l * o, cfg.hidden_size, comm)
+        if m.world_size > 1:
+            E_l = cfg.n_routed_experts // m.ep
+            blk.ffn.experts = ParallelExperts(cfg, E_l, m.ep_rank * E_l, cfg.moe_inter_dim // m.moe_tp, comm,
+                                              gather_tokens=m.attention_dp)
+
+
+def build_shard(cfg: ModelConfig, full_sd: dict[str, torch.Tensor], has_mtp: bool, m: ParallelMapping,
+                comm: Collectives, device="cpu") -> DeepseekV4:
+    """This rank's model: built on the meta device, split, then adopting the shard's tensors."""
+    sd = shard_state_dict(full_sd, cfg, m)
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, with_mtp=has_mtp)
+        _parallelize(model, cfg, m, comm)
+    model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True, assign=True)
+    model.init_tables(torch.device(device))
+    return model.eval().requires_grad_(False)

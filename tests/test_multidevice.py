@@ -1,0 +1,268 @@
+"""Several ranks on the CPU (2 gloo processes): tensor, expert and attention-data parallelism, MTP included.
+
+The matrix (tp2, ep2, tp2+ep2, attention DP 2 + ep2) x (MTP off, MTP k=2) must give token-identical greedy
+output to the single-process engine. Summing partial results across ranks changes fp32 rounding slightly,
+so the matrix runs in float64 (greedy argmax is then far from any tie); the MTP cells also compare the MTP
+layer's own draft proposals with the single-process ones, so the draft layer's split is checked and not
+only verified away. Plus: a rank that raises stops every rank with its message, and clear refusals.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.cache.layout import CacheLayout
+from dsv4.cache.manager import KVCacheManager, SeqStep
+from dsv4.checkpoint.init_random import random_state_dict
+from dsv4.checkpoint.io import write_checkpoint
+from dsv4.config import get_preset
+from dsv4.engine.config import EngineConfig, EngineConfigError
+from dsv4.engine.request import Request
+from dsv4.engine.sampling_params import SamplingParams as SP
+from dsv4.engine.scheduler import Scheduler
+from dsv4.parallel.comm import RankError
+from dsv4.parallel.lanes import DataParallelScheduler, LaneCaches
+from dsv4.parallel.mapping import ParallelMapping
+from dsv4.parallel.shard import shard_state_dict
+
+MTP2 = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+MODES = {
+    "tp2": {"tensor_parallel_size": 2},
+    "ep2": {"moe_expert_parallel_size": 2},
+    "tp2+ep2": {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2},
+    "adp2+ep2": {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2, "enable_attention_dp": True},
+}
+KW = dict(max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 2048},
+          dtype="fp64")
+LENS = [3, 17, 70, 130, 9, 40]  # 70 and 130 prefill in several 48-token chunks
+SP8 = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two ranks share the 2 cores: oversubscribed OpenMP threads make CPU torch crawl."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = get_preset("tiny")
+    d = str(tmp_path_factory.mktemp("tiny_md"))
+    write_checkpoint(d, cfg, random_state_dict(cfg, seed=5))
+    return d
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    return [[rng.randrange(2, 256) for _ in range(n)] for n in LENS]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _oracle(reference, proposals):
+    """Draft override (driver-side test hook): records what the MTP layer proposed, keyed by request and
+    position, and replaces it by the known answer 60% of the time so drafts are both accepted and rejected."""
+    rng = random.Random(0)
+
+    def override(req, drafts):
+        done = len(req.output_ids)
+        proposals[(tuple(req.prompt_ids), done)] = list(drafts)
+        answer = reference[tuple(req.prompt_ids)]
+        out = []
+        for j, d in enumerate(drafts):
+            truth = answer[done + j] if done + j < len(answer) else d
+            out.append(truth if rng.random() < 0.6 else (truth + 1) % 256)
+        return out
+
+    return override
+
+
+@pytest.fixture(scope="module")
+def single(ckpt, prompts):
+    """The single-process engine's greedy tokens, and its MTP proposals under the oracle override."""
+    ref = _tokens(LLM(ckpt, warmup=False, **KW).generate(prompts, SP8))
+    llm = LLM(ckpt, warmup=False, speculative_config=MTP2, **KW)
+    proposals = {}
+    llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals)
+    assert _tokens(llm.generate(prompts, SP8)) == ref
+    return ref, proposals
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["mtp-off", "mtp2"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matrix_token_identical(ckpt, prompts, single, mode, mtp, monkeypatch):
+    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")
+    ref, ref_proposals = single
+    llm = LLM(ckpt, speculative_config=MTP2 if mtp else None, **KW, **MODES[mode])
+    try:
+        par = llm.get_stats()["parallel"]
+        assert par["world_size"] == 2 and par["attention_dp"] == ("adp" in mode)
+        assert len(llm.warmup_paths) == (3 if mtp else 2)  # warmup ran every path on both ranks
+        cache = llm.engine.cache
+        assert cache.num_free_slots == cache.num_slots and cache.num_free_blocks == cache.num_blocks
+        proposals = {}
+        if mtp:
+            llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals)
+        assert _tokens(llm.generate(prompts, SP8)) == ref
+        if mtp:
+            st = llm.get_stats()["speculative"]
+            assert 0 < st["acceptance_rate"] < 1  # both the accept and the reject path ran on every rank
+            common = proposals.keys() & ref_proposals.keys()
+            assert len(common) >= len(prompts)
+            assert {k: proposals[k] for k in common} == {k: ref_proposals[k] for k in common}
+        assert cache.num_free_slots == cache.num_slots
+    finally:
+        llm.shutdown()
+
+
+def test_fp32_cell_with_a_stable_prompt_set(ckpt, prompts):
+    """The engine's own CPU dtype, on the most involved cell (attention DP + ep2, MTP): with this fixed prompt
+    set the cross-rank fp32 sums do not flip any greedy choice (a different set might tie; see the docstring)."""
+    kw = dict(KW, dtype="fp32")
+    ref = _tokens(LLM(ckpt, warmup=False, **kw).generate(prompts, SP8))
+    with LLM(ckpt, warmup=False, speculative_config=MTP2, **kw, **MODES["adp2+ep2"]) as llm:
+        assert _tokens(llm.generate(prompts, SP8)) == ref
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys, torch
+torch.set_num_threads(1)
+from dsv4 import LLM, SamplingParams
+ckpt, kw, prompts = json.load(open(sys.argv[1]))
+with LLM(ckpt, warmup=False, **kw) as llm:  # ranks >= 1 serve inside the constructor and end there
+    out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    print("TOKENS", json.dumps([o.outputs[0].token_ids for o in out]), flush=True)
+"""
+
+
+def test_torchrun_launch(ckpt, prompts, single, tmp_path):
+    """torchrun starts the processes; rank 0 is the driver, rank 1 serves inside its LLM constructor."""
+    script, args = tmp_path / "run.py", tmp_path / "args.json"
+    script.write_text(_TORCHRUN_SCRIPT)
+    kw = dict(KW, **MODES["tp2+ep2"], speculative_config=MTP2)
+    args.write_text(json.dumps([ckpt, kw, prompts]))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(args)], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS")]
+    assert len(lines) == 1 and json.loads(lines[0][len("TOKENS "):]) == single[0]
+
+
+def _gone(pids):
+    return all(not os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_a_rank_failing_in_warmup_stops_every_rank(ckpt, monkeypatch):
+    monkeypatch.setenv("DSV4_INJECT_FAILURE", "1:forward:1")  # rank 1 raises in its first forward
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"rank 1 failed: RuntimeError: injected failure") as ei:
+        LLM(ckpt, tensor_parallel_size=2, speculative_config=MTP2, **KW)
+    assert time.monotonic() - t0 < 60  # start-up included; the failure itself is seen at once
+    assert "warmup path" in str(ei.value)
+    err = ei.value
+    while not isinstance(err, RankError):
+        err = err.__cause__
+    assert err.rank == 1 and err.pids and _gone(err.pids)
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_rank_failing_in_a_step_stops_every_rank(ckpt, prompts, monkeypatch):
+    monkeypatch.setenv("DSV4_INJECT_FAILURE", "1:propose:3")
+    llm = LLM(ckpt, moe_expert_parallel_size=2, enable_attention_dp=True, speculative_config=MTP2, warmup=False,
+              **KW)
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 failed: RuntimeError: injected failure .* propose #3") as ei:
+        llm.generate(prompts, SP8)
+    assert time.monotonic() - t0 < 20
+    assert _gone(ei.value.pids)
+    with pytest.raises(RankError, match="ranks stopped"):
+        llm.generate(prompts[:1], SP8)
+    llm.shutdown()  # nothing left to stop; must not raise
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"tensor_parallel_size": 3}, "must divide the attention heads"),
+    ({"tensor_parallel_size": 2, "enable_attention_dp": True}, "enable_attention_dp needs"),
+    ({"enable_attention_dp": True}, "enable_attention_dp needs"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism is not implemented"),
+    ({"moe_expert_parallel_size": 3}, "must divide the routed experts"),
+    ({"tensor_parallel_size": 2, "moe_expert_parallel_size": 4}, "use tensor_parallel_size 1 or 4"),
+])
+def test_refusals_at_construction(ckpt, settings, match):
+    with pytest.raises(EngineConfigError, match=match):
+        LLM(ckpt, **KW, **settings)
+    assert not torch.distributed.is_initialized()
+
+
+def test_more_ranks_than_cuda_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    m = ParallelMapping.from_engine_config(EngineConfig(tensor_parallel_size=2))
+    with pytest.raises(EngineConfigError, match="need 2 CUDA devices"):
+        m.check_devices("cuda")
+
+
+@pytest.mark.parametrize("mode", list(MODES) + ["tp4-ep2"])
+def test_shards_cover_the_model_exactly_once(mode):
+    """Concatenating the ranks' slices gives back every split tensor; the rest is replicated."""
+    cfg = get_preset("tiny").replace(num_heads=8, o_groups=4)
+    sd = random_state_dict(cfg, seed=0)
+    settings = MODES.get(mode, {"tensor_parallel_size": 4, "moe_expert_parallel_size": 2})
+    m = ParallelMapping.from_engine_config(EngineConfig(**settings))
+    shards = [shard_state_dict(sd, cfg, m.with_rank(r)) for r in range(m.world_size)]
+    for name, full in sd.items():
+        parts = [s[name] for s in shards]
+        if all(p.shape == full.shape for p in parts):
+            assert all(torch.equal(p, full) for p in parts), name
+            continue
+        if name.endswith("experts.w2"):  # [E, d, I]: experts over ep ranks, I over moe_tp
+            rows = [torch.cat(parts[e * m.moe_tp:(e + 1) * m.moe_tp], dim=2) for e in range(m.ep)]
+            assert torch.equal(torch.cat(rows, 0), full), name
+        elif name.endswith(("experts.w1", "experts.w3")):  # [E, I, d]
+            rows = [torch.cat(parts[e * m.moe_tp:(e + 1) * m.moe_tp], dim=1) for e in range(m.ep)]
+            assert torch.equal(torch.cat(rows, 0), full), name
+        elif name.endswith("wo_b.weight"):
+            assert torch.equal(torch.cat(parts, 1), full), name
+        else:  # wq_b / wo_a rows, attn_sink
+            assert torch.equal(torch.cat(parts, 0), full), name
+            assert ".attn." in name and "indexer" not in name, name
+
+
+def test_attention_dp_balances_and_pads_lanes():
+    """New requests go to the lane with the fewest in flight; every lane's plan has the same padded shape,
+    and an idle lane 0 gets an inert plan on the null slot."""
+    cfg = get_preset("tiny")
+    layout = CacheLayout(cfg, 2, 16)
+    managers = [KVCacheManager(layout, 4, 32) for _ in range(2)]
+    lane_of: dict = {}
+    sched = DataParallelScheduler([Scheduler(m, 4, 64, 2) for m in managers], lane_of)
+    reqs = [Request(str(i), [5] * n, SP(max_tokens=4)) for i, n in enumerate([3, 10, 4])]
+    assert [sched.add(r) for r in reqs] == [0, 1, 0]
+    sched.finish(reqs[1])  # lane 1 is empty again: it gets the next one
+    assert sched.add(Request("3", [7] * 5, SP(max_tokens=4))) == 1
+    caches = LaneCaches(managers, lane_of, layout, 4)
+    seqs = sched.schedule()
+    lp = caches.begin_step([SeqStep(s.request.request_id, s.num_new) for s in seqs])
+    assert [len(i) for i in lp.lane_indices] == [2, 1]
+    shapes = {(p.positions.shape[0], p.slots.shape[0]) for p in lp.plans}
+    assert shapes == {(7, 2)}  # lane 0: 3 + 4 tokens in 2 rows; lane 1 padded to the same
+    caches.commit_step(lp, [s.num_new for s in seqs])
+    for r in (reqs[0], reqs[2]):
+        sched.finish(r)
+    lp = caches.begin_step([SeqStep("3", 1)], pad_tokens_to=4)
+    assert lp.plans[0] is None and lp.local.num_seqs == 0 and lp.local.positions.shape[0] == 4
+    assert not lp.local.swa_valid.any() and not lp.local.swa_write.any()  # reads nothing, writes the null row
+    caches.abort_step(lp)
+    caches.check_integrity()
