@@ -19,8 +19,9 @@ from .cache.layout import CacheLayout
 from .cache.manager import KVCacheManager
 from .cache.sizing import budget_from_fraction, size_cache
 from .cache.storage import CacheStorage
-from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
+from .engine.config import CudaGraphConfig, EngineConfig, EngineConfigError, KvCacheConfig, from_dict
 from .engine.engine import LLMEngine, RequestError
+from .engine.graphs import GraphRunner, default_buckets
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .engine.warmup import run_warmup
@@ -127,6 +128,7 @@ class LLM:
             storage = CacheStorage(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks, device=device,
                                    dtype=torch_dtype, kv_dtype=kv_dtype)
             self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, max_seq_len, tokenizer=self.tokenizer)
+            self._prepare_graphs(cfg, layout, max_seq_len)
         else:
             from .parallel.driver import RankSetup, start_ranks
 
@@ -136,6 +138,26 @@ class LLM:
                               cfg.attention_backend)
             self.engine = start_ranks(self._group, setup, self.model, mcfg, cfg, max_seq_len, self.tokenizer, device)
         self.warmup_paths = run_warmup(self.engine) if warmup else []
+
+    def _prepare_graphs(self, cfg: EngineConfig, layout: CacheLayout, max_seq_len: int, capture: bool = True):
+        """Capture the decode/verify CUDA graphs (after the cache is sized, before warmup replays them)."""
+        runner = self.engine.runner
+        if cfg.enforce_eager or not runner.use_kernels:
+            return
+        gcfg = cfg.cuda_graph_config or CudaGraphConfig()
+        limit = min(gcfg.max_batch_size or cfg.max_batch_size, cfg.max_batch_size, self.cache_sizing.num_slots)
+        buckets = sorted({b for b in (gcfg.batch_sizes or default_buckets(limit)) if 1 <= b <= limit})
+        if not buckets:
+            return
+        k = cfg.draft_len
+        ratios = self.model_config.ratios
+        max_entries = (max_seq_len + k) // min(ratios) + 1 if ratios else 1
+        runner.graphs = GraphRunner(self.model, self.engine.storage, 1 + k, buckets, gcfg.enable_padding,
+                                    max_entries, layout.num_blocks_for(max_seq_len + k), with_mtp=k > 0,
+                                    capture=capture and self.engine.storage.device.type == "cuda", draft_len=k)
+        runner.graphs.prepare()
+        log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", buckets, 1 + k,
+                 "on" if gcfg.enable_padding else "off")
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process groups (multi-device; nothing to do on one device).
@@ -155,10 +177,11 @@ class LLM:
         if cfg.moe_config.backend.upper() not in ("AUTO", "TORCH", "DSV4"):
             notes.append(f"moe_config.backend={cfg.moe_config.backend} is a TensorRT-LLM kernel choice; dsv4 maps"
                          " it to its own grouped-expert MoE path")
-        if cfg.cuda_graph_config is not None and not cfg.enforce_eager:
-            notes.append("cuda_graph_config: CUDA graphs are not implemented in this build yet"
-                         + (" (and there are none on the CPU)" if not device.startswith("cuda") else "")
-                         + "; decode and verify steps run eagerly")
+        if cfg.cuda_graph_config is not None and not cfg.enforce_eager and not device.startswith("cuda"):
+            notes.append("cuda_graph_config: there are no CUDA graphs on the CPU; steps run eagerly")
+        if device.startswith("cuda") and cfg.kv_cache_config.dtype == "fp8":
+            notes.append("kv_cache_config.dtype=fp8: the FP8 cache runs on the plain-torch attention path (the"
+                         " Triton kernels and CUDA graphs read bf16 caches for now); slower, not refused")
         for n in notes:
             log.warning("%s", n)
         return notes

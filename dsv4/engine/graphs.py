@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..cache.plan import DraftTables
 from .cuda_backend import CudaBackend
 
 _RATIO_FIELDS = ("state_write", "win_rows", "win_valid", "win_pos", "win_write", "entry_rows", "entry_valid")
@@ -39,19 +40,23 @@ class _Bucket:
     ids: torch.Tensor
     next_ids: torch.Tensor
     tables: SimpleNamespace  # static plan tables (same shapes as a padded plan's)
-    target_out: torch.Tensor | None = None
-    mtp_out: torch.Tensor | None = None
+    new_lens: torch.Tensor  # [B] committed lengths after acceptance (draft steps)
+    draft_ids: dict  # j -> [B] the token each request feeds draft step j
+    target_out: tuple | None = None  # (streams [N, n, d], logits [N, V])
+    mtp_out: tuple | None = None
+    draft_out: dict = field(default_factory=dict)  # j -> (streams [B, n, d], logits [B, V])
+    draft_in: torch.Tensor | None = None  # [B, n, d] streams feeding draft step 2
     graphs: dict = field(default_factory=dict)
 
 
 class GraphRunner:
     def __init__(self, model, storage, rows_per_seq: int, buckets: list[int], enable_padding: bool,
-                 max_entries: int, max_blocks: int, with_mtp: bool, capture: bool):
+                 max_entries: int, max_blocks: int, with_mtp: bool, capture: bool, draft_len: int = 0):
         self.model, self.storage = model, storage
         self.rows, self.enable_padding = rows_per_seq, enable_padding
         self.buckets = sorted(buckets)
         self.max_entries, self.max_blocks = max_entries, max_blocks
-        self.with_mtp, self.capture = with_mtp, capture
+        self.with_mtp, self.capture, self.draft_len = with_mtp, capture, draft_len
         self._b: dict[int, _Bucket] = {}
         self.pool = None
         self.num_replays = 0
@@ -91,7 +96,7 @@ class GraphRunner:
                                        win_write=z(M), entry_rows=z(N, E), entry_valid=f(N, E))
         swa_base = (self.storage.num_slots + 1) * lay.swa_cap
         return SimpleNamespace(positions=z(N), swa_read=z(N, W), swa_valid=f(N, W), swa_write=z(N),
-                               swa_step_base=swa_base, ratio_tables=ratio)
+                               swa_step_base=swa_base, ratio_tables=ratio, draft_slots=z(B), draft_lens=z(B))
 
     def _backend(self, t: SimpleNamespace) -> CudaBackend:
         return CudaBackend(self.storage, t.positions, t.swa_read, t.swa_valid, t.swa_write, t.ratio_tables,
@@ -105,61 +110,105 @@ class GraphRunner:
             src = plan.ratio_tables[r]
             for name in _RATIO_FIELDS:
                 getattr(rt, name).copy_(getattr(src, name))
+        t.draft_slots.copy_(plan.draft.slots)
+        t.draft_lens.copy_(plan.draft.draft_lens)
 
     def _target(self, bk: _Bucket):
-        return self.model.streams(bk.ids, self._backend(bk.tables))
+        X = self.model.streams(bk.ids, self._backend(bk.tables))
+        return X, self.model.logits_from_streams(X)
 
     def _mtp(self, bk: _Bucket):
-        return self.model.mtp_streams(bk.target_out, bk.next_ids, self._backend(bk.tables))
+        X = self.model.mtp_streams(bk.target_out[0], bk.next_ids, self._backend(bk.tables))
+        return X, self.model.mtp_logits_from_streams(X)
+
+    def _draft(self, bk: _Bucket, j: int):
+        """Draft step j >= 2: one token per request, tables computed on the device from the static inputs."""
+        t, lay = bk.tables, self.storage.layout
+        tables = DraftTables(slots=t.draft_slots, draft_lens=t.draft_lens, max_draft_len=self.draft_len,
+                             window=lay.window, swa_cap=lay.swa_cap, swa_step_base=t.swa_step_base)
+        st = tables.step_tables(j, bk.new_lens)
+        X_in = bk.draft_in if j == 2 else bk.draft_out[j - 1][0]
+        backend = CudaBackend(self.storage, st.positions, st.swa_read, st.swa_valid, st.swa_write,
+                              swa_step_base=t.swa_step_base)
+        X = self.model.mtp_streams(X_in, bk.draft_ids[j], backend)
+        return X, self.model.mtp_logits_from_streams(X)
+
+    def _run(self, bk: _Bucket, name: str, fn):
+        """Replay the captured graph ``name`` (or run ``fn`` eagerly on the static buffers)."""
+        if self.capture:
+            bk.graphs[name].replay()
+            return None
+        return fn()
 
     # ---- capture (largest bucket first, one shared memory pool) --------------------------------------
     @torch.no_grad()
     def prepare(self):
+        dev = self.storage.device
+        n, d = self.model.cfg.hc_mult, self.model.cfg.hidden_size
         for B in sorted(self.buckets, reverse=True):
             N = B * self.rows
-            dev = self.storage.device
-            bk = _Bucket(B, torch.zeros(N, dtype=torch.long, device=dev), torch.zeros(N, dtype=torch.long, device=dev),
-                         self._static_tables(B))
+            zl = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
+            bk = _Bucket(B, zl(N), zl(N), self._static_tables(B), zl(B),
+                         {j: zl(B) for j in range(2, self.draft_len + 1)})
+            bk.draft_in = torch.zeros(B, n, d, dtype=self.model.embed.weight.dtype, device=dev)
             self._b[B] = bk
+            steps = [("target", lambda: self._target(bk), "target_out")]
+            if self.with_mtp:
+                steps.append(("mtp", lambda: self._mtp(bk), "mtp_out"))
+                for j in range(2, self.draft_len + 1):
+                    steps.append((f"draft{j}", (lambda j=j: self._draft(bk, j)), j))
+            for name, fn, slot in steps:  # eager first: the static outputs exist, kernels are loaded
+                self._store(bk, slot, fn())
             if not self.capture:
                 continue
-            # one eager run on the inert inputs (loads kernels, allocator warm), then capture
-            bk.target_out = self._target(bk)
-            if self.with_mtp:
-                self._mtp(bk)
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                bk.target_out = self._target(bk)
-            self.pool = g.pool()
-            bk.graphs["target"] = g
-            if self.with_mtp:
-                g2 = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g2, pool=self.pool):
-                    bk.mtp_out = self._mtp(bk)
-                bk.graphs["mtp"] = g2
+            for name, fn, slot in steps:  # capture, largest bucket first, one shared pool
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._store(bk, slot, fn())
+                self.pool = g.pool()
+                bk.graphs[name] = g
             torch.cuda.synchronize()
+
+    @staticmethod
+    def _store(bk: _Bucket, slot, value):
+        if isinstance(slot, int):
+            bk.draft_out[slot] = value
+        else:
+            setattr(bk, slot, value)
 
     # ---- replay ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def target(self, plan, ids: torch.Tensor) -> torch.Tensor:
+    def target(self, plan, ids: torch.Tensor):
+        """-> (streams [N, n, d], logits [N, V]) of every row of the padded step."""
         bk = self._b[plan.slots.shape[0]]
         self._load(bk, plan)
         bk.ids.copy_(ids)
         self.num_replays += 1
-        if self.capture:
-            bk.graphs["target"].replay()
-        else:
-            bk.target_out = self._target(bk)
+        out = self._run(bk, "target", lambda: self._target(bk))
+        if out is not None:
+            bk.target_out = out
         return bk.target_out
 
     @torch.no_grad()
-    def mtp(self, plan, next_ids: torch.Tensor) -> torch.Tensor:
+    def mtp(self, plan, next_ids: torch.Tensor):
         """The MTP catch-up pass of the same step (tables already loaded by ``target``)."""
         bk = self._b[plan.slots.shape[0]]
         bk.next_ids.copy_(next_ids)
-        if self.capture:
-            bk.graphs["mtp"].replay()
-        else:
-            bk.mtp_out = self._mtp(bk)
+        out = self._run(bk, "mtp", lambda: self._mtp(bk))
+        if out is not None:
+            bk.mtp_out = out
         return bk.mtp_out
+
+    @torch.no_grad()
+    def draft(self, plan, j: int, new_lens: torch.Tensor, ids: torch.Tensor, X_in: torch.Tensor | None = None):
+        """Draft step j of the same step: (streams [B, n, d], logits [B, V]). X_in feeds step 2."""
+        bk = self._b[plan.slots.shape[0]]
+        if j == 2:
+            bk.new_lens.copy_(new_lens)
+            bk.draft_in.copy_(X_in)
+        bk.draft_ids[j].copy_(ids)
+        out = self._run(bk, f"draft{j}", lambda: self._draft(bk, j))
+        if out is not None:
+            bk.draft_out[j] = out
+        return bk.draft_out[j]

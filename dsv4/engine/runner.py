@@ -67,7 +67,11 @@ class ModelRunner:
     def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
         n_pad = plan.positions.shape[0]
         ids = self._ids([t for s in seqs for t in s.token_ids], n_pad)
-        X = self.graphs.target(plan, ids) if self._graphed(plan) else self.model.streams(ids, self._backend(plan))
+        graphed = self._graphed(plan)
+        if graphed:
+            X, all_logits = self.graphs.target(plan, ids)
+        else:
+            X = self.model.streams(ids, self._backend(plan))
         rows, counts = [], []
         start = 0
         for s in seqs:
@@ -78,8 +82,10 @@ class ModelRunner:
             else:
                 counts.append(0)
             start += s.num_new
-        logits = self.model.logits_from_streams(X[torch.tensor(rows, dtype=torch.long, device=self.device)]) \
-            if rows else None
+        logits = None
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
         per_seq, off = [], 0
         for c in counts:
             per_seq.append(logits[off:off + c] if c else None)
@@ -106,8 +112,9 @@ class ModelRunner:
                 next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
             pick.append(start + num_accepted[b] - 1)  # the row of the newest committed position
             start += s.num_new
-        if self._graphed(plan):
-            X_mtp = self.graphs.mtp(plan, self._ids(next_ids, n_pad))
+        graphed = self._graphed(plan)
+        if graphed:
+            X_mtp, mtp_logits = self.graphs.mtp(plan, self._ids(next_ids, n_pad))
         else:
             X_mtp = model.mtp_streams(target.streams, self._ids(next_ids, n_pad), self._backend(plan))
 
@@ -116,7 +123,7 @@ class ModelRunner:
         if not active:
             return drafts
         rows = torch.tensor([pick[b] for b in active], dtype=torch.long, device=self.device)
-        logits = model.mtp_logits_from_streams(X_mtp[rows])
+        logits = mtp_logits[rows] if graphed else model.mtp_logits_from_streams(X_mtp[rows])
         for i, b in enumerate(active):
             drafts[b].append(choose(b, 1, logits[i]))
 
@@ -129,10 +136,14 @@ class ModelRunner:
         X_prev[torch.tensor(active, device=self.device)] = X_mtp[rows]
         active_t = torch.tensor(active, dtype=torch.long, device=self.device)
         for j in range(2, draft_len + 1):
-            tables = plan.draft.step_tables(j, new_lens)
             ids = self._ids([drafts[b][-1] if drafting[b] else 0 for b in range(len(seqs))], b_pad)
-            X_prev = model.mtp_streams(X_prev, ids, self._draft_backend(plan, tables))
-            logits = model.mtp_logits_from_streams(X_prev[active_t])
+            if graphed:
+                X_prev, all_logits = self.graphs.draft(plan, j, new_lens, ids, X_prev if j == 2 else None)
+                logits = all_logits[active_t]
+            else:
+                tables = plan.draft.step_tables(j, new_lens)
+                X_prev = model.mtp_streams(X_prev, ids, self._draft_backend(plan, tables))
+                logits = model.mtp_logits_from_streams(X_prev[active_t])
             for i, b in enumerate(active):
                 drafts[b].append(choose(b, j, logits[i]))
         return drafts

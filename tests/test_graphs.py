@@ -1,0 +1,52 @@
+"""The CUDA-graph path's bucketing, padding and static buffers, run eagerly on the CPU (capture is the only
+part left to the GPU tests): padded batches through static tables give the same tokens as the torch path."""
+
+import random
+
+import pytest
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine import cuda_backend
+from dsv4.engine.graphs import default_buckets
+
+
+@pytest.fixture
+def kernel_path_on_cpu(monkeypatch):
+    # the decode-like CudaBackend on the CPU (its kernel falls back to the torch twin off the GPU)
+    monkeypatch.setattr(cuda_backend.CudaBackend, "supports", staticmethod(lambda storage: not storage.fp8))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k):
+    rng = random.Random(k)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(max_batch_size=8, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              warmup=False, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+    ref = [o.outputs[0].token_ids for o in LLM("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
+    llm = LLM("tiny", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]}, **kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and not graphs.capture
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert out == ref
+    assert graphs.num_replays > 0  # 5 decoding requests padded to the 8 bucket
+
+
+def test_without_padding_only_exact_buckets_replay(kernel_path_on_cpu):
+    llm = LLM("tiny", max_batch_size=8, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              warmup=False, cuda_graph_config={"enable_padding": False, "batch_sizes": [2]})
+    g = llm.engine.runner.graphs
+    assert g.bucket_for(2, [1, 1]) == 2 and g.bucket_for(3, [1, 1, 1]) is None and g.bucket_for(1, [1]) is None
+    assert g.bucket_for(2, [1, 5]) is None  # a prefill chunk in the step: eager
+
+
+def test_enforce_eager_turns_graphs_off(kernel_path_on_cpu):
+    llm = LLM("tiny", max_batch_size=4, max_seq_len=128, kv_cache_config={"max_tokens": 2048}, warmup=False,
+              enforce_eager=True)
+    assert llm.engine.runner.graphs is None
+
+
+def test_default_buckets():
+    assert default_buckets(1) == [1]
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
