@@ -158,7 +158,8 @@ def test_torchrun_launch(ckpt, prompts, single, tmp_path):
                           str(script), str(args)], capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS")]
-    assert len(lines) == 1 and json.loads(lines[0][len("TOKENS "):]) == single[0]
+    assert len(lines) == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads(lines[0][len("TOKENS "):]) == single[0], res.stdout[-3000:] + res.stderr[-3000:]
 
 
 def _gone(pids):

@@ -133,6 +133,8 @@ class RankGroup:
         self._lock = threading.Lock()
         self._saved_threads: int | None = None
         self._owns_default = True
+        self._stop = threading.Event()  # ends the driver's monitor thread (joined before the groups go)
+        self._monitor: threading.Thread | None = None
 
     # ---- starting ---------------------------------------------------------------------------------------
     @classmethod
@@ -301,14 +303,13 @@ class RankGroup:
                             timeout=datetime.timedelta(seconds=30))
 
         def watch():
-            while not (self.closed or self.failed is not None):
-                time.sleep(_POLL_S)
+            while not self._stop.wait(_POLL_S):
                 try:
                     aborted = mon.check([ABORT_KEY])
                 except Exception:
                     return
                 died = [r for r, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
-                if self.closed or self.failed is not None:
+                if self._stop.is_set():
                     return
                 if died and not aborted:  # killed without a word (OOM killer, signal): say who
                     p = self.procs[died[0] - 1]
@@ -323,17 +324,26 @@ class RankGroup:
                             pass
                     return
 
-        threading.Thread(target=watch, name="dsv4-driver-monitor", daemon=True).start()
+        self._monitor = threading.Thread(target=watch, name="dsv4-driver-monitor", daemon=True)
+        self._monitor.start()
+
+    def _stop_monitor(self) -> None:
+        """Join the driver's monitor (a daemon thread left inside a store call at interpreter exit aborts)."""
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5.0)
 
     def fail(self, e: BaseException) -> RankError:
         """Driver: stop every rank after ``e`` and return the error to raise (the first failing rank's)."""
         with self._lock:
             if self.failed is not None:
                 return self.failed
+            self._stop.set()
             rank, msg = self.report(e)
             err = RankError(rank, msg)
             err.pids = [p.pid for p in self.procs]
             self._stop_workers(grace_s=3.0)
+            self._stop_monitor()
             self._destroy()
             self.failed = err
             log.error("%s; all %d ranks stopped", err, self.world_size)
@@ -382,5 +392,6 @@ class RankGroup:
                 self.send(StopMsg())
             except Exception:
                 pass
+            self._stop_monitor()
             self._stop_workers(grace_s=10.0)
             self._destroy()
