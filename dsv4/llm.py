@@ -179,6 +179,9 @@ class LLM:
                          " it to its own grouped-expert MoE path")
         if cfg.cuda_graph_config is not None and not cfg.enforce_eager and not device.startswith("cuda"):
             notes.append("cuda_graph_config: there are no CUDA graphs on the CPU; steps run eagerly")
+        if self.mapping.world_size > 1 and device.startswith("cuda"):
+            notes.append(f"{self.mapping.world_size} ranks: multi-rank steps run eagerly (no CUDA graphs around the"
+                         " collectives yet) and the split experts use the plain-torch expert loop")
         if device.startswith("cuda") and cfg.kv_cache_config.dtype == "fp8":
             notes.append("kv_cache_config.dtype=fp8: the FP8 cache runs on the plain-torch attention path (the"
                          " Triton kernels and CUDA graphs read bf16 caches for now); slower, not refused")
