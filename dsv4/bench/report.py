@@ -56,7 +56,7 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
     cfg = llm.config
     kvc = cfg.kv_cache_config
     sizing = llm.cache_sizing
-    model_dtype = str(next(llm.model.parameters()).dtype).replace("torch.", "")
+    model_dtype = str(llm.model.embed.weight.dtype).replace("torch.", "")  # hc_* params stay fp32
     kv_dtype = kvc.dtype if kvc.dtype != "auto" else f"auto ({model_dtype})"
     tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.moe_expert_parallel_size
     spec = cfg.speculative_config
