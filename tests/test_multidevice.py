@@ -265,5 +265,7 @@ def test_attention_dp_balances_and_pads_lanes():
     lp = caches.begin_step([SeqStep("3", 1)], pad_tokens_to=4)
     assert lp.plans[0] is None and lp.local.num_seqs == 0 and lp.local.positions.shape[0] == 4
     assert not lp.local.swa_valid.any() and not lp.local.swa_write.any()  # reads nothing, writes the null row
+    for t in lp.local.ratio_tables.values():  # compressor state and entries: null rows only
+        assert not t.state_write.any() and not t.win_write.any() and not t.win_active.any()
     caches.abort_step(lp)
     caches.check_integrity()

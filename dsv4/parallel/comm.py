@@ -127,6 +127,7 @@ class RankGroup:
         self.store_addr = store_addr
         self.procs = procs or []  # rank r >= 1 at index r - 1 (driver with launch only)
         self.control = None
+        self._store = None  # a client of the store the ranks meet at (the driver's, or torchrun's)
         self.collectives = Collectives(rank, world_size, self.backend)
         self.failed: RankError | None = None
         self.closed = False
