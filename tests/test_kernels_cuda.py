@@ -58,6 +58,18 @@ def test_sparse_attention_writes_every_output():
     assert torch.isfinite(out).all()
 
 
+def dense_greedy(model, prompts, n):
+    """Greedy continuation by the dense reference path, one full forward per token."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
+            outs.append(ids[len(p):])
+    return outs
+
+
 def _engine(model, **kw):
     from dsv4 import LLM
 
@@ -77,13 +89,7 @@ def test_engine_on_cuda_equals_dense_reference(k):
     llm = _engine("tiny", speculative_config=spec)
     assert llm.engine.runner.use_kernels
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
-    model = llm.model
-    for p, toks in zip(prompts, out):
-        ids = list(p)
-        with torch.no_grad():
-            for _ in range(16):
-                ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
-        assert toks == ids[len(p):]
+    assert out == dense_greedy(llm.model, prompts, 16)
 
 
 def test_grouped_moe_matches_torch():
@@ -122,13 +128,7 @@ def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
     assert graphs is not None and graphs.capture
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
     assert graphs.num_replays > 0
-    model = llm.model
-    for p, toks in zip(prompts, out):
-        ids = list(p)
-        with torch.no_grad():
-            for _ in range(16):
-                ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
-        assert toks == ids[len(p):]
+    assert out == dense_greedy(llm.model, prompts, 16)
 
 
 def test_bf16_teacher_forced_logits_match_dense_reference():
