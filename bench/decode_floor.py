@@ -9,7 +9,6 @@ import random
 import statistics
 import time
 
-import torch
 
 from common import copy_bandwidth, report, sync, table
 

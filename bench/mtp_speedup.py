@@ -61,7 +61,7 @@ def main():
             rows.append([k, label if k else "off", args.concurrency * args.gen / t,
                          f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                          f"{same:.3f}", first])
-        del llm
+        llm.engine.draft_override = None
     text = table(["k", "drafts", "output tok/s", "acceptance", "mean accepted len", "tokens identical to MTP off",
                   "first divergence"], rows)
     report(f"MTP on vs off, {args.preset}, concurrency {args.concurrency}, {args.gen} output tokens", text,

@@ -25,6 +25,7 @@ from .engine.graphs import GraphRunner, default_buckets
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .engine.warmup import run_warmup
+from .checkpoint.tokenizer import load_tokenizer
 from .model.loader import load_model, model_config
 from .parallel.mapping import ParallelMapping
 
@@ -42,15 +43,6 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise EngineConfigError(f"dtype {dtype!r}: use auto, fp32, bf16 (or fp16, fp64)")
     return _DTYPES[dtype]
-
-
-def _load_tokenizer(model: str):
-    path = os.path.join(model, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    from tokenizers import Tokenizer  # the standard library for tokenizer.json files
-
-    return Tokenizer.from_file(path)
 
 
 class LLM:
@@ -122,7 +114,7 @@ class LLM:
             budget = budget_from_fraction(kvc.free_gpu_memory_fraction, device)
         self.cache_sizing = size_cache(layout, torch_dtype, kv_dtype, budget, cfg.max_batch_size, max_seq_len)
         log.info("%s", self.cache_sizing.describe())
-        self.tokenizer = _load_tokenizer(model) if os.path.isdir(model) else None
+        self.tokenizer = load_tokenizer(model)
         if self._group is None:
             cache = KVCacheManager(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks)
             storage = CacheStorage(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks, device=device,

@@ -2,7 +2,6 @@
 
 import random
 import pytest
-import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.init_random import random_state_dict

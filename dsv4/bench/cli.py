@@ -180,16 +180,6 @@ def _write_dataset(args) -> int:
 
 # ---- throughput ------------------------------------------------------------------------------------------
 
-def _load_tokenizer(path: str):
-    """The checkpoint's tokenizer.json (the file LLM loads), needed before the LLM for prompt lines' lengths."""
-    f = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(f):
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(f)
-
-
 def _run(llm, reqs, args, run_benchmark):
     ilog = None
     if args.iteration_log:
@@ -209,6 +199,7 @@ def _throughput(args) -> int:
     import torch
 
     from ..cache.layout import CacheConfigError
+    from ..checkpoint.tokenizer import load_tokenizer
     from ..config import ConfigError
     from ..engine.config import EngineConfigError
     from ..engine.warmup import WarmupError
@@ -247,7 +238,7 @@ def _throughput(args) -> int:
         reqs = ds.read_dataset(args.dataset)
         reqs = ds.select(reqs, args.num_requests, where=args.dataset)
         if any(r.input_ids is None for r in reqs):
-            ds.tokenize(reqs, _load_tokenizer(path) if os.path.isdir(path) else None, where=args.dataset)
+            ds.tokenize(reqs, load_tokenizer(path), where=args.dataset)
         flags = {"max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
                  "max_seq_len": args.max_seq_len, "tp": args.tp, "pp": args.pp, "ep": args.ep,
                  "kv_cache_free_gpu_mem_fraction": args.kv_cache_free_gpu_mem_fraction,

@@ -1,4 +1,4 @@
-"""A byte-level tokenizer for random checkpoints: token id = byte value (ids 0/1 double as bos/eos, which
+"""Tokenizers: loading a checkpoint's tokenizer.json, and a byte-level one for random checkpoints: token id = byte value (ids 0/1 double as bos/eos, which
 are control bytes no text contains). Built with the ``tokenizers`` library and saved as tokenizer.json."""
 
 from __future__ import annotations
@@ -32,3 +32,13 @@ def write_byte_tokenizer(out_dir: str, vocab_size: int) -> str | None:
     path = os.path.join(out_dir, "tokenizer.json")
     tok.save(path)
     return path
+
+
+def load_tokenizer(checkpoint_dir: str):
+    """The checkpoint's tokenizer.json as a ``tokenizers.Tokenizer``, or None when it has none."""
+    path = os.path.join(checkpoint_dir, "tokenizer.json")
+    if not os.path.isdir(checkpoint_dir) or not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)

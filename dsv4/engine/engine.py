@@ -17,7 +17,7 @@ import torch
 from ..cache.manager import SeqStep
 from ..config import ModelConfig
 from .outputs import CompletionOutput, RequestOutput
-from .request import Request, Status
+from .request import Request
 from .runner import ModelRunner
 from .sampler import make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
