@@ -172,3 +172,37 @@ def test_bf16_teacher_forced_logits_match_dense_reference():
     eng.cache.free("tf")
     assert graphed >= 3
     assert max(errs) < 3e-2, errs
+
+
+def test_hc_weights_kernel_matches_torch():
+    from dsv4.kernels import mhc as kernel
+    from dsv4.model import mhc
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    N, n, d = 37, 4, 64
+    X = torch.randn(N, n, d, device="cuda", generator=g)
+    fn = torch.randn((2 + n) * n, n * d, device="cuda", generator=g) * 0.1
+    base = torch.randn((2 + n) * n, device="cuda", generator=g)
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    m = mhc._mix_logits(X, fn, 1e-6)
+    pre, post, comb = kernel.hc_weights(m, base, scale, n, 20, 1e-6)
+    # the torch twin: hc_pre with the kernel switched off
+    orig = kernel.usable
+    kernel.usable = lambda X: False
+    try:
+        u_ref, post_ref, comb_ref = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
+    finally:
+        kernel.usable = orig
+    u, post2, comb2 = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
+    assert rel_err(post, post_ref) < 1e-5 and rel_err(comb, comb_ref) < 1e-5
+    assert rel_err(u, u_ref) < 1e-5 and torch.equal(comb2, comb)
+
+
+def test_rms_norm_cuda_matches_twin():
+    from dsv4.model.ops import rms_norm
+
+    x = torch.randn(33, 7, 512, device="cuda").bfloat16()
+    w = torch.rand(512, device="cuda") + 0.5
+    ref = rms_norm(x.cpu(), w.cpu(), 1e-6).float()
+    assert rel_err(rms_norm(x, w, 1e-6).float().cpu(), ref) < 1e-2
+    assert rel_err(rms_norm(x, None, 1e-6).float().cpu(), rms_norm(x.cpu(), None, 1e-6).float()) < 1e-2

@@ -22,6 +22,11 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n])."""
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
+    from ..kernels import mhc as kernel  # lazy: kernels import model pieces
+
+    if kernel.usable(X):  # one fused kernel on the GPU; the code below is its twin
+        pre, post, comb = kernel.hc_weights(m, base, scale, n, sinkhorn_iters, eps)
+        return torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype), post, comb
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + eps  # [N, n]
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])  # [N, n]
