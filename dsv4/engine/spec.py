@@ -89,4 +89,6 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_len": self.mean_accepted_len,
             "per_position_acceptance": [a / p if p else 0.0 for a, p in zip(self.accepted_per_pos, self.proposed_per_pos)],
+            "proposed_per_position": list(self.proposed_per_pos),
+            "accepted_per_position": list(self.accepted_per_pos),
         }
