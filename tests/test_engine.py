@@ -178,3 +178,18 @@ def test_streaming_yields_growing_outputs(tiny_dir):
     llm = _llm(tiny_dir, warmup=False)
     seen = [o.outputs[0].token_ids for o in llm.generate_stream([[4, 5, 6]], SamplingParams(max_tokens=5))]
     assert [len(s) for s in seen] == [1, 2, 3, 4, 5]
+
+
+def test_abort_frees_everything_and_others_finish(tiny_dir):
+    llm = _llm(tiny_dir, warmup=False, speculative_config=MTP(2))
+    eng = llm.engine
+    a = eng.add_request([5, 6, 7] * 20, SamplingParams(max_tokens=30, ignore_eos=True))
+    b = eng.add_request([9, 8] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    eng.abort_request(a)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(eng.requests[b].output_ids) == 10
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and eng.cache.num_free_slots == eng.cache.num_slots
+    eng.cache.check_integrity()
