@@ -115,10 +115,20 @@ def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int):
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
-                    w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """Routed-expert output [N, d] fp32 (same contract as Experts.forward), no host sync on CUDA."""
+                    w2: torch.Tensor, w3: torch.Tensor, limit: float,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed-expert output [N, d] fp32 (same contract as Experts.forward), no host sync on CUDA.
+
+    ``keep`` [N, k] bool (expert parallelism): pairs with ``keep`` False belong to experts of other ranks.
+    They are laid out as one extra expert E whose row blocks are skipped (no GEMM work) and contribute 0;
+    their ``ids`` may be anything (clamped into range). Shapes stay static: still graph-safe."""
     N, k = ids.shape
-    rows, pair_pos, block_expert = align(ids, w1.shape[0])
+    E = w1.shape[0]
+    if keep is None:
+        rows, pair_pos, block_expert = align(ids, E)
+    else:
+        rows, pair_pos, block_expert = align(torch.where(keep, ids.clamp(0, E - 1), E), E + 1)
+        block_expert = torch.where(block_expert == E, -1, block_expert)  # the other ranks' pairs: skipped
     m_pad = rows.shape[0]
     x = x.contiguous()
     gemm = _grouped_gemm if (HAVE_TRITON and x.is_cuda) else _grouped_gemm_torch
@@ -128,4 +138,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     w_sorted[pair_pos] = weights.flatten().float()
     h = (swiglu(g, u, limit) * w_sorted[:, None]).to(x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad)  # [m_pad, d]
-    return y[pair_pos].view(N, k, -1).float().sum(dim=1)
+    y = y[pair_pos]
+    if keep is not None:  # skipped blocks were never written (torch.empty): select, never multiply
+        y = torch.where(keep.reshape(-1, 1), y, 0)
+    return y.view(N, k, -1).float().sum(dim=1)

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model.model import DeepseekV4
+from ..model.moe import _have_triton
 from ..model.ops import swiglu
 from .comm import Collectives
 from .mapping import ParallelMapping
@@ -93,6 +94,7 @@ class ParallelExperts(nn.Module):
         self.limit = cfg.swiglu_limit
         self.first_expert, self.num_local = first_expert, num_local
         self.comm, self.gather_tokens = comm, gather_tokens
+        self.grouped_kernel = _have_triton()
         self.w1 = nn.Parameter(torch.empty(num_local, inter_local, d))
         self.w2 = nn.Parameter(torch.empty(num_local, d, inter_local))
         self.w3 = nn.Parameter(torch.empty(num_local, inter_local, d))
@@ -104,7 +106,24 @@ class ParallelExperts(nn.Module):
         return self.comm.all_reduce(self._local(x, weights, ids))
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Contributions of this rank's experts: fp32 [N, d], zeros for tokens routed elsewhere."""
+        """Contributions of this rank's experts: fp32 [N, d], zeros for tokens routed elsewhere.
+
+        On CUDA the device-side grouped GEMM (no host sync: CUDA-graph safe); the torch loop is its twin."""
+        if x.is_cuda and self.grouped_kernel:
+            return self._local_grouped(x, weights, ids)
+        return self._local_loop(x, weights, ids)
+
+    def _local_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> local ones; pairs routed to other ranks are masked out of the grouped GEMM
+        (skipped row blocks, contribution 0). Static shapes, no .tolist() / bincount / boolean indexing."""
+        from ..kernels.moe import grouped_experts  # lazy: kernels import model.ops
+
+        local = ids - self.first_expert
+        keep = (local >= 0) & (local < self.num_local)
+        return grouped_experts(x, weights, local, self.w1, self.w2, self.w3, self.limit, keep=keep)
+
+    def _local_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The plain-torch twin (host-side loop over this rank's experts; syncs: not for CUDA graphs)."""
         N, k = ids.shape
         local = ids.flatten() - self.first_expert  # [N*k] one row per (token, choice)
         mine = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)
