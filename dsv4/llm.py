@@ -21,7 +21,7 @@ from .cache.sizing import budget_from_fraction, size_cache
 from .cache.storage import CacheStorage
 from .engine.config import CudaGraphConfig, EngineConfig, EngineConfigError, KvCacheConfig, from_dict
 from .engine.engine import LLMEngine, RequestError
-from .engine.graphs import GraphRunner, default_buckets
+from .engine.graphs import build_graphs, default_buckets
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .engine.warmup import run_warmup
@@ -127,29 +127,33 @@ class LLM:
             setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) else model, torch_dtype, cfg.seed,
                               self.model.has_mtp, cfg.draft_len, kvc.tokens_per_block, kv_dtype,
                               self.cache_sizing.num_slots, self.cache_sizing.num_blocks, self.mapping,
-                              cfg.attention_backend)
+                              cfg.attention_backend, self._graph_spec(cfg, layout, max_seq_len))
             self.engine = start_ranks(self._group, setup, self.model, mcfg, cfg, max_seq_len, self.tokenizer, device)
         self.warmup_paths = run_warmup(self.engine) if warmup else []
 
-    def _prepare_graphs(self, cfg: EngineConfig, layout: CacheLayout, max_seq_len: int, capture: bool = True):
-        """Capture the decode/verify CUDA graphs (after the cache is sized, before warmup replays them)."""
-        runner = self.engine.runner
-        if cfg.enforce_eager or not runner.use_kernels:
-            return
+    def _graph_spec(self, cfg: EngineConfig, layout: CacheLayout, max_seq_len: int) -> dict | None:
+        """The CUDA-graph buckets (GraphRunner's arguments but ``capture``), the same on every rank; None
+        with enforce_eager or no bucket. Under attention DP they are per lane (max_batch_size is per rank)."""
+        if cfg.enforce_eager:
+            return None
         gcfg = cfg.cuda_graph_config or CudaGraphConfig()
         limit = min(gcfg.max_batch_size or cfg.max_batch_size, cfg.max_batch_size, self.cache_sizing.num_slots)
         buckets = sorted({b for b in (gcfg.batch_sizes or default_buckets(limit)) if 1 <= b <= limit})
         if not buckets:
-            return
+            return None
         k = cfg.draft_len
         ratios = self.model_config.ratios
         max_entries = (max_seq_len + k) // min(ratios) + 1 if ratios else 1
-        runner.graphs = GraphRunner(self.model, self.engine.storage, 1 + k, buckets, gcfg.enable_padding,
-                                    max_entries, layout.num_blocks_for(max_seq_len + k), with_mtp=k > 0,
-                                    capture=capture and self.engine.storage.device.type == "cuda", draft_len=k)
-        runner.graphs.prepare()
-        log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", buckets, 1 + k,
-                 "on" if gcfg.enable_padding else "off")
+        return dict(rows_per_seq=1 + k, buckets=buckets, enable_padding=gcfg.enable_padding,
+                    max_entries=max_entries, max_blocks=layout.num_blocks_for(max_seq_len + k), with_mtp=k > 0,
+                    draft_len=k)
+
+    def _prepare_graphs(self, cfg: EngineConfig, layout: CacheLayout, max_seq_len: int, capture: bool = True):
+        """Capture the decode/verify CUDA graphs (after the cache is sized, before warmup replays them)."""
+        spec = self._graph_spec(cfg, layout, max_seq_len)
+        if build_graphs(self.engine.runner, spec, capture) is not None:
+            log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", spec["buckets"],
+                     spec["rows_per_seq"], "on" if spec["enable_padding"] else "off")
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process groups (multi-device; nothing to do on one device).
@@ -171,9 +175,8 @@ class LLM:
                          " it to its own grouped-expert MoE path")
         if cfg.cuda_graph_config is not None and not cfg.enforce_eager and not device.startswith("cuda"):
             notes.append("cuda_graph_config: there are no CUDA graphs on the CPU; steps run eagerly")
-        if self.mapping.world_size > 1 and device.startswith("cuda"):
-            notes.append(f"{self.mapping.world_size} ranks: multi-rank steps run eagerly (no CUDA graphs around the"
-                         " collectives yet) and the split experts use the plain-torch expert loop")
+        # several ranks on CUDA: every rank captures the same graph buckets (NCCL collectives inside) and the
+        # split experts run the grouped-GEMM path, as on one device: nothing to note
         if device.startswith("cuda") and cfg.kv_cache_config.dtype == "fp8":
             notes.append("kv_cache_config.dtype=fp8: the FP8 cache runs on the plain-torch attention path (the"
                          " Triton kernels and CUDA graphs read bf16 caches for now); slower, not refused")

@@ -269,3 +269,53 @@ def test_attention_dp_balances_and_pads_lanes():
         assert not t.state_write.any() and not t.win_write.any() and not t.win_active.any()
     caches.abort_step(lp)
     caches.check_integrity()
+
+
+# ---- CUDA graphs on several ranks: the static-buffer path (capture=False) on the CPU -------------------------------
+@pytest.mark.parametrize("mode", ["tp2", "ep2", "adp2+ep2"])
+def test_graph_path_on_every_rank_token_identical(ckpt, prompts, single, mode, monkeypatch):
+    """Every rank builds the same buckets and replays them for the same steps (the driver's decision, sent
+    with the step): target, MTP catch-up and draft passes through the static tables, collectives included.
+    The switch is read by the worker processes too (a monkeypatch of CudaBackend.supports would not reach
+    them)."""
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    ref, ref_proposals = single
+    llm = LLM(ckpt, speculative_config=MTP2, cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
+              **KW, **MODES[mode])
+    try:
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and not graphs.capture and graphs.buckets == [1, 2, 4]
+        assert graphs.num_replays > 0  # warmup's decode and verify steps replayed on every rank
+        before = graphs.num_replays
+        proposals = {}
+        llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals)
+        assert _tokens(llm.generate(prompts, SP8)) == ref
+        assert graphs.num_replays > before
+        common = proposals.keys() & ref_proposals.keys()
+        assert len(common) >= len(prompts)
+        assert {k: proposals[k] for k in common} == {k: ref_proposals[k] for k in common}
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("first", [0, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_experts_grouped_path_equals_the_loop(first, dtype):
+    """The graph-safe grouped path of the split experts (CUDA) against its torch-loop twin, on the CPU: pairs
+    routed to the other rank's experts contribute exactly nothing."""
+    from dsv4.parallel.shard import ParallelExperts
+
+    cfg = get_preset("tiny")
+    E, k = cfg.n_routed_experts, cfg.n_experts_per_tok
+    g = torch.Generator().manual_seed(first)
+    m = ParallelExperts(cfg, E // 2, first, cfg.moe_inter_dim, None, gather_tokens=False).to(dtype)
+    for p in m.parameters():
+        p.data = torch.randn(p.shape, generator=g, dtype=dtype) * 0.1
+    N = 37
+    x = torch.randn(N, cfg.hidden_size, generator=g, dtype=dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    ids[0] = torch.arange(E // 2, E // 2 + k) if first == 0 else torch.arange(k)  # a token with no local expert
+    w = torch.rand(N, k, generator=g)
+    loop, grouped = m._local_loop(x, w, ids), m._local_grouped(x, w, ids)
+    assert torch.equal(grouped[0], torch.zeros_like(grouped[0]))
+    torch.testing.assert_close(grouped, loop, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6)

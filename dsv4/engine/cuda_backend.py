@@ -10,6 +10,7 @@ plain-torch CachedBackend (read-before-write over the combined index space).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,11 @@ import torch
 from ..kernels.sparse_attention import sparse_sink_attention
 from ..model.attention import Compressor
 from .backend import CachedBackend
+
+# Test switch, read in every process (multi-rank workers too, which a test's monkeypatch cannot reach):
+# "1" takes the decode-like kernel path (its torch twins) and so the CUDA-graph static-buffer path
+# (capture=False) on the CPU. Never needed in production: on CUDA the path is on anyway.
+STATIC_GRAPHS_ON_CPU_ENV = "DSV4_STATIC_GRAPHS_ON_CPU"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class CudaBackend(CachedBackend):
 
     @staticmethod
     def supports(storage) -> bool:
+        if os.environ.get(STATIC_GRAPHS_ON_CPU_ENV) == "1":  # test switch: the kernel path's torch twins on CPU
+            return not storage.fp8
         return storage.device.type == "cuda" and not storage.fp8
 
     def window(self, layer_id: int, kv: torch.Tensor):

@@ -212,3 +212,16 @@ class GraphRunner:
         if out is not None:
             bk.draft_out[j] = out
         return bk.draft_out[j]
+
+
+def build_graphs(runner, spec: dict | None, capture: bool = True) -> GraphRunner | None:
+    """Give ``runner`` its GraphRunner for ``spec`` (GraphRunner's keyword arguments but ``capture``) and
+    prepare it: after the cache is sized, before warmup. Nothing when ``spec`` is None or the runner is not
+    on the kernel path. Multi-rank runs call this on every rank with the same spec, at the same point, so
+    the captures (and the collectives inside them) line up, largest bucket first."""
+    if spec is None or not runner.use_kernels:
+        return None
+    runner.graphs = GraphRunner(runner.model, runner.storage, capture=capture and runner.storage.device.type == "cuda",
+                                **spec)
+    runner.graphs.prepare()
+    return runner.graphs

@@ -10,7 +10,7 @@ plan's draft tables. The MTP layer's cache lives in the same storage as every ot
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,6 +19,48 @@ from ..model.model import DeepseekV4
 from .backend import CachedBackend
 from .cuda_backend import CudaBackend
 from .scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """One batch's (or one attention-DP lane's) MTP inputs, from the verify results."""
+
+    next_ids: tuple[int, ...]  # per step token at position p: token p+1 after this step's emission (0 past it)
+    picks: tuple[int, ...]  # per request: the step row of its newest committed position
+    new_lens: tuple[int, ...]  # per request: committed length after acceptance
+    active: tuple[int, ...]  # batch rows that draft
+
+
+def target_inputs(seqs: Sequence[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
+    """(token ids, logit rows, logit rows per seq): every sampled seq's verify rows (its last row when it
+    has no drafts)."""
+    ids = [t for s in seqs for t in s.token_ids]
+    rows, counts, start = [], [], 0
+    for s in seqs:
+        if s.sample:
+            k1 = len(s.drafts) + 1
+            rows.extend(range(start + s.num_new - k1, start + s.num_new))
+            counts.append(k1)
+        else:
+            counts.append(0)
+        start += s.num_new
+    return ids, rows, counts
+
+
+def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_accepted: Sequence[int],
+                 drafting: Sequence[bool]) -> DraftInputs:
+    """The catch-up pass input for the row at position p is the token at p+1 of the request's sequence after
+    this step's emission (rows past the accepted ones get 0: their writes are rolled back)."""
+    next_ids, picks, start = [], [], 0
+    for b, s in enumerate(seqs):
+        toks, C = s.request.tokens, num_computed[b]
+        for i in range(s.num_new):
+            p = C + i
+            next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
+        picks.append(start + num_accepted[b] - 1)
+        start += s.num_new
+    return DraftInputs(tuple(next_ids), tuple(picks), tuple(C + a for C, a in zip(num_computed, num_accepted)),
+                       tuple(b for b in range(len(seqs)) if drafting[b]))
 
 
 @dataclass
@@ -63,29 +105,80 @@ class ModelRunner:
         out[: len(values)] = torch.tensor(values, dtype=torch.long)
         return out.to(self.device)
 
+    # ---- the passes on plain inputs (what every rank of a multi-rank run also calls) -----------------
     @torch.no_grad()
-    def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
-        n_pad = plan.positions.shape[0]
-        ids = self._ids([t for s in seqs for t in s.token_ids], n_pad)
-        graphed = self._graphed(plan)
+    def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False):
+        """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None). ``graphed``: replay the
+        plan's CUDA graph bucket (or run its static buffers eagerly when not capturing)."""
+        ids = self._ids(list(token_ids), plan.positions.shape[0])
         if graphed:
+            self._check_graphed(plan)
             X, all_logits = self.graphs.target(plan, ids)
         else:
             X = self.model.streams(ids, self._backend(plan))
-        rows, counts = [], []
-        start = 0
-        for s in seqs:
-            if s.sample:
-                k1 = len(s.drafts) + 1  # the verify rows (just the last row when there are no drafts)
-                rows.extend(range(start + s.num_new - k1, start + s.num_new))
-                counts.append(k1)
-            else:
-                counts.append(0)
-            start += s.num_new
         logits = None
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if logit_rows:
+            idx = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
             logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
+        return X, logits
+
+    def _check_graphed(self, plan):
+        if self.graphs is None or not self.graphs.matches(plan):
+            raise RuntimeError(f"step {plan.step_id}: told to replay a CUDA graph but the plan (batch"
+                               f" {plan.slots.shape[0]}, {plan.positions.shape[0]} tokens) fits no bucket of"
+                               f" {None if self.graphs is None else self.graphs.buckets}")
+
+    @torch.no_grad()
+    def run_drafts(self, plan, X: torch.Tensor, inp: DraftInputs, draft_len: int, any_active: bool,
+                   pick: Callable[[int, Callable[[], torch.Tensor]], Sequence[int]], graphed: bool = False) -> None:
+        """MTP catch-up pass, then (if any lane drafts) draft passes 2..draft_len. After pass j,
+        ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
+        logits [A, V]); they are the inputs of pass j+1. ``graphed``: the plan's CUDA graphs (the target pass
+        of the same step replayed them too)."""
+        model = self.model
+        next_ids = self._ids(list(inp.next_ids), plan.positions.shape[0])
+        if graphed:
+            X_mtp, mtp_logits = self.graphs.mtp(plan, next_ids)
+        else:
+            X_mtp = model.mtp_streams(X, next_ids, self._backend(plan))
+        if not any_active:
+            return
+        active = list(inp.active)
+        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
+        rows = torch.tensor([inp.picks[b] for b in active], dtype=torch.long, device=self.device)
+        V = model.cfg.vocab_size
+
+        def logits_of(Xs, all_logits, idx):
+            if not active:
+                return lambda: torch.zeros(0, V, device=self.device)
+            if graphed:
+                return lambda: all_logits[idx]
+            return lambda: model.mtp_logits_from_streams(Xs[idx])
+
+        toks = pick(1, logits_of(X_mtp, mtp_logits if graphed else None, rows))
+        b_pad = plan.slots.shape[0]
+        new_lens = torch.zeros(b_pad, dtype=torch.long)
+        new_lens[:len(inp.new_lens)] = torch.tensor(inp.new_lens, dtype=torch.long)
+        new_lens = new_lens.to(self.device)
+        X_prev = torch.zeros(b_pad, *X_mtp.shape[1:], dtype=X_mtp.dtype, device=self.device)
+        X_prev[active_t] = X_mtp[rows]
+        for j in range(2, draft_len + 1):
+            row_toks = [0] * b_pad
+            for b, t in zip(active, toks):
+                row_toks[b] = t
+            ids = self._ids(row_toks, b_pad)
+            if graphed:
+                X_prev, all_logits = self.graphs.draft(plan, j, new_lens, ids, X_prev if j == 2 else None)
+            else:
+                tables = plan.draft.step_tables(j, new_lens)
+                X_prev, all_logits = model.mtp_streams(X_prev, ids, self._draft_backend(plan, tables)), None
+            toks = pick(j, logits_of(X_prev, all_logits, active_t))
+
+    # ---- the engine's calls ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
+        ids, rows, counts = target_inputs(seqs)
+        X, logits = self.run_target(plan, ids, rows, self._graphed(plan))
         per_seq, off = [], 0
         for c in counts:
             per_seq.append(logits[off:off + c] if c else None)
@@ -97,53 +190,16 @@ class ModelRunner:
                 drafting: list[bool], draft_len: int,
                 choose: Callable[[int, int, torch.Tensor], int]) -> list[list[int]]:
         """MTP drafts for every seq with ``drafting`` set. ``choose(seq_index, step, logits [V]) -> token``
-        turns MTP logits into a draft token (argmax, or a sample whose q the caller keeps).
-
-        The catch-up pass input for the row at position p is the token at p+1 of the request's sequence
-        after this step's emission (rows past the accepted ones get 0: their writes are rolled back).
-        """
-        model, n_pad = self.model, plan.positions.shape[0]
-        next_ids, start, pick = [], 0, []
-        for b, s in enumerate(seqs):
-            req, C = s.request, plan.num_computed[b]
-            toks = req.tokens
-            for i in range(s.num_new):
-                p = C + i
-                next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
-            pick.append(start + num_accepted[b] - 1)  # the row of the newest committed position
-            start += s.num_new
-        graphed = self._graphed(plan)
-        if graphed:
-            X_mtp, mtp_logits = self.graphs.mtp(plan, self._ids(next_ids, n_pad))
-        else:
-            X_mtp = model.mtp_streams(target.streams, self._ids(next_ids, n_pad), self._backend(plan))
-
+        turns MTP logits into a draft token (argmax, or a sample whose q the caller keeps)."""
+        inp = draft_inputs(seqs, plan.num_computed, num_accepted, drafting)
         drafts: list[list[int]] = [[] for _ in seqs]
-        active = [b for b in range(len(seqs)) if drafting[b]]
-        if not active:
-            return drafts
-        rows = torch.tensor([pick[b] for b in active], dtype=torch.long, device=self.device)
-        logits = mtp_logits[rows] if graphed else model.mtp_logits_from_streams(X_mtp[rows])
-        for i, b in enumerate(active):
-            drafts[b].append(choose(b, 1, logits[i]))
 
-        b_pad = plan.slots.shape[0]
-        new_lens = torch.zeros(b_pad, dtype=torch.long)
-        for b in range(len(seqs)):
-            new_lens[b] = plan.num_computed[b] + num_accepted[b]
-        new_lens = new_lens.to(self.device)
-        X_prev = torch.zeros(b_pad, *X_mtp.shape[1:], dtype=X_mtp.dtype, device=self.device)
-        X_prev[torch.tensor(active, device=self.device)] = X_mtp[rows]
-        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
-        for j in range(2, draft_len + 1):
-            ids = self._ids([drafts[b][-1] if drafting[b] else 0 for b in range(len(seqs))], b_pad)
-            if graphed:
-                X_prev, all_logits = self.graphs.draft(plan, j, new_lens, ids, X_prev if j == 2 else None)
-                logits = all_logits[active_t]
-            else:
-                tables = plan.draft.step_tables(j, new_lens)
-                X_prev = model.mtp_streams(X_prev, ids, self._draft_backend(plan, tables))
-                logits = model.mtp_logits_from_streams(X_prev[active_t])
-            for i, b in enumerate(active):
-                drafts[b].append(choose(b, j, logits[i]))
+        def pick(j, logits_fn):
+            logits = logits_fn()
+            toks = [choose(b, j, logits[i]) for i, b in enumerate(inp.active)]
+            for b, t in zip(inp.active, toks):
+                drafts[b].append(t)
+            return toks
+
+        self.run_drafts(plan, target.streams, inp, draft_len, bool(inp.active), pick, self._graphed(plan))
         return drafts

@@ -19,6 +19,7 @@ from ..cache.layout import CacheLayout
 from ..cache.manager import KVCacheManager
 from ..cache.storage import CacheStorage
 from ..engine.engine import LLMEngine
+from ..engine.graphs import build_graphs
 from ..engine.scheduler import Scheduler
 from ..model.loader import load_state
 from .comm import RankGroup
@@ -45,6 +46,7 @@ class RankSetup:
     num_blocks: int
     mapping: ParallelMapping
     attention_backend: str = "auto"
+    graphs: dict | None = None  # the CUDA-graph buckets (build_graphs spec), the same on every rank; None: eager
 
 
 def torchrun_rank() -> int | None:
@@ -90,6 +92,7 @@ def serve(group: RankGroup) -> None:
     storage = CacheStorage(layout, setup.num_slots, setup.num_blocks, device=device, dtype=setup.dtype,
                            kv_dtype=setup.kv_dtype)
     runner = LaneRunner(model, storage, device, setup.attention_backend)
+    build_graphs(runner, setup.graphs)  # with the driver and every rank: same buckets, same order
     group.gather("ready")
     counts = {}
 
@@ -123,6 +126,7 @@ class DistributedEngine(LLMEngine):
         self.group, self.mapping = group, mapping
         self.num_lanes = lanes  # warmup fills every lane
         self.runner = DistributedRunner(model, storage, self.device, engine_cfg.attention_backend, group, mapping)
+        self.runner.lane_of = lane_of
         if lanes > 1:
             self.scheduler = DataParallelScheduler(
                 [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens, self.draft_len)
@@ -139,6 +143,10 @@ def start_ranks(group: RankGroup, setup: RankSetup, model, model_cfg, engine_cfg
                                kv_dtype=setup.kv_dtype)
         engine = DistributedEngine(model, model_cfg, layout, storage, engine_cfg, max_seq_len, tokenizer, group,
                                    setup.mapping, setup.num_slots, setup.num_blocks)
+        if build_graphs(engine.runner, setup.graphs) is not None:
+            log.info("CUDA graphs on %d ranks: batch sizes %s x %d rows per request%s", group.world_size,
+                     setup.graphs["buckets"], setup.graphs["rows_per_seq"],
+                     " per lane" if setup.mapping.attention_dp else "")
         group.gather("ready")
     except BaseException as e:
         raise group.fail(e) from e

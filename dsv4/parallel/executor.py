@@ -23,22 +23,27 @@ requests and cache; every lane is padded to the same token and row counts so tha
 up, and a rank without requests runs an inert plan of padded rows only (R3: they read nothing valid and
 write only the null slot / block). Draft passes run on every rank if any lane drafts.
 
+CUDA graphs: every rank holds a GraphRunner with the same buckets (``RankSetup.graphs``), prepared at
+start-up on every rank in the same order (largest bucket first; the all-reduce / all-gather / reduce-scatter
+inside are captured: NCCL with static shapes). The driver alone decides per step whether it replays (every
+lane's plan fits a bucket; under attention DP the bucket is the busiest lane's, every lane padded to it) and
+sends that decision and the bucket's padding in the ForwardMsg; the ranks rebuild the plan with exactly that
+padding and replay target, MTP catch-up and draft graphs for that step, never deciding on local state.
+
 Per-step state stays a value: each rank's plan is built from the message (R2); the only thing a rank keeps
-between two messages of one step is that step's (plan, streams), checked against the step number.
+between two messages of one step is that step's (plan, streams, graphed), checked against the step number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import torch
+from typing import Callable
 
 from ..cache.layout import CacheLayout
 from ..cache.manager import StepOrderError
 from ..cache.plan import StepPlan, build_plan
 from ..engine.backend import CachedBackend
-from ..engine.runner import ModelRunner, TargetOutput
+from ..engine.runner import DraftInputs, ModelRunner, TargetOutput, draft_inputs, target_inputs
 from ..engine.scheduler import ScheduledSeq
 from .comm import StopMsg
 
@@ -54,19 +59,10 @@ class LaneWork:
 
 
 @dataclass(frozen=True)
-class DraftInputs:
-    """One lane's MTP inputs, from the driver's verify results."""
-
-    next_ids: tuple[int, ...]  # per step token at position p: token p+1 after this step's emission (0 past it)
-    picks: tuple[int, ...]  # per request: the step row of its newest committed position
-    new_lens: tuple[int, ...]  # per request: committed length after acceptance
-    active: tuple[int, ...]  # batch rows that draft
-
-
-@dataclass(frozen=True)
 class ForwardMsg:
     step: int
     lanes: tuple[LaneWork, ...]
+    graphed: bool = False  # the driver's decision: every rank replays its bucket's graphs for this step
 
 
 @dataclass(frozen=True)
@@ -85,60 +81,37 @@ class DraftTokensMsg:
 
 
 # ---- plan arguments -----------------------------------------------------------------------------------------
-def plan_args(plan: StepPlan) -> dict:
-    """The build_plan arguments that rebuild ``plan`` on another rank (same tables; padding included)."""
+def plan_args(plan: StepPlan, padding: dict | None = None) -> dict:
+    """The build_plan arguments that rebuild ``plan`` on another rank (same tables). ``padding``: the
+    begin_step padding the plan was built with (a graphed step's bucket padding: pad_batch_to, pad_tokens_to,
+    max_entries, max_blocks), so the rank's tables have exactly the bucket's static shapes."""
     B, N = plan.num_seqs, plan.num_tokens
     Np, Bp = plan.positions.shape[0], plan.slots.shape[0]
-    return dict(step_id=plan.step_id, req_ids=plan.req_ids, num_computed=plan.num_computed,
+    args = dict(step_id=plan.step_id, req_ids=plan.req_ids, num_computed=plan.num_computed,
                 num_new=plan.num_new, draft_lens=plan.draft_lens, slots=tuple(plan.slots[:B].tolist()),
                 block_tables=[tuple(r) for r in plan.block_table[:B].tolist()],
                 pad_tokens_to=Np if Np > N else None, pad_batch_to=Bp if Bp > B else None)
+    args.update(padding or {})
+    return args
 
 
-def idle_plan_args(step_id: int, num_tokens: int, num_rows: int) -> dict:
-    """An idle lane's plan: ``num_tokens`` padded tokens in ``num_rows`` padded rows, all on the null slot."""
-    return dict(step_id=step_id, req_ids=(), num_computed=(), num_new=(), draft_lens=(), slots=(),
+def idle_plan_args(step_id: int, num_tokens: int, num_rows: int, padding: dict | None = None) -> dict:
+    """An idle lane's plan: ``num_tokens`` padded tokens in ``num_rows`` padded rows, all on the null slot
+    (``padding``: as in ``plan_args``; its token and row counts are the same)."""
+    args = dict(step_id=step_id, req_ids=(), num_computed=(), num_new=(), draft_lens=(), slots=(),
                 block_tables=[], pad_tokens_to=num_tokens, pad_batch_to=num_rows)
+    args.update(padding or {})
+    return args
 
 
 def make_plan(layout: CacheLayout, num_slots: int, args: dict, device) -> StepPlan:
     return build_plan(layout, num_slots=num_slots, owner=0, device=device, **args)
 
 
-# ---- inputs from the scheduled batch -------------------------------------------------------------------------
-def target_inputs(seqs: Sequence[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
-    """(token ids, logit rows, logit rows per seq): every sampled seq's verify rows (its last row when it
-    has no drafts)."""
-    ids = [t for s in seqs for t in s.token_ids]
-    rows, counts, start = [], [], 0
-    for s in seqs:
-        if s.sample:
-            k1 = len(s.drafts) + 1
-            rows.extend(range(start + s.num_new - k1, start + s.num_new))
-            counts.append(k1)
-        else:
-            counts.append(0)
-        start += s.num_new
-    return ids, rows, counts
-
-
-def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_accepted: Sequence[int],
-                 drafting: Sequence[bool]) -> DraftInputs:
-    next_ids, picks, start = [], [], 0
-    for b, s in enumerate(seqs):
-        toks, C = s.request.tokens, num_computed[b]
-        for i in range(s.num_new):
-            p = C + i
-            next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
-        picks.append(start + num_accepted[b] - 1)
-        start += s.num_new
-    return DraftInputs(tuple(next_ids), tuple(picks), tuple(C + a for C, a in zip(num_computed, num_accepted)),
-                       tuple(b for b in range(len(seqs)) if drafting[b]))
-
-
 # ---- one rank's passes ----------------------------------------------------------------------------------------
 class LaneRunner(ModelRunner):
-    """The model runner's passes on plain inputs (what a rank receives) for one lane."""
+    """The model runner's passes on plain inputs (what a rank receives: ``run_target`` / ``run_drafts``) for
+    one lane; an idle lane's inert plan runs the plain path unless the step replays a graph bucket."""
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
@@ -150,49 +123,6 @@ class LaneRunner(ModelRunner):
             return CachedBackend.for_draft(tables, self.storage)
         return super()._draft_backend(plan, tables)
 
-    @torch.no_grad()
-    def run_target(self, plan: StepPlan, token_ids: Sequence[int], logit_rows: Sequence[int]):
-        """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None)."""
-        X = self.model.streams(self._ids(list(token_ids), plan.positions.shape[0]), self._backend(plan))
-        logits = None
-        if logit_rows:
-            logits = self.model.logits_from_streams(X[torch.tensor(list(logit_rows), device=self.device)])
-        return X, logits
-
-    @torch.no_grad()
-    def run_drafts(self, plan: StepPlan, X: torch.Tensor, inp: DraftInputs, draft_len: int, any_active: bool,
-                   pick: Callable[[int, Callable[[], torch.Tensor]], Sequence[int]]) -> None:
-        """MTP catch-up pass, then (if any lane drafts) draft passes 2..draft_len. After pass j,
-        ``pick(j, logits_fn)`` returns the draft tokens of this lane's active rows (``logits_fn()`` gives their
-        MTP logits [A, V]); they are the inputs of pass j+1."""
-        model = self.model
-        X_mtp = model.mtp_streams(X, self._ids(list(inp.next_ids), plan.positions.shape[0]), self._backend(plan))
-        if not any_active:
-            return
-        active = list(inp.active)
-        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
-        rows = torch.tensor([inp.picks[b] for b in active], dtype=torch.long, device=self.device)
-        V = model.cfg.vocab_size
-
-        def logits_of(Xs):
-            return (lambda: model.mtp_logits_from_streams(Xs)) if active else \
-                (lambda: torch.zeros(0, V, device=self.device))
-
-        toks = pick(1, logits_of(X_mtp[rows]))
-        b_pad = plan.slots.shape[0]
-        new_lens = torch.zeros(b_pad, dtype=torch.long)
-        new_lens[:len(inp.new_lens)] = torch.tensor(inp.new_lens, dtype=torch.long)
-        new_lens = new_lens.to(self.device)
-        X_prev = torch.zeros(b_pad, *X_mtp.shape[1:], dtype=X_mtp.dtype, device=self.device)
-        X_prev[active_t] = X_mtp[rows]
-        for j in range(2, draft_len + 1):
-            tables = plan.draft.step_tables(j, new_lens)
-            row_toks = [0] * b_pad
-            for b, t in zip(active, toks):
-                row_toks[b] = t
-            X_prev = model.mtp_streams(X_prev, self._ids(row_toks, b_pad), self._draft_backend(plan, tables))
-            toks = pick(j, logits_of(X_prev[active_t]))
-
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
 class DistributedRunner(LaneRunner):
@@ -203,7 +133,27 @@ class DistributedRunner(LaneRunner):
         super().__init__(model, storage, device, attention_backend)
         self.group, self.mapping = group, mapping
         self.dp = mapping.attention_dp
+        self.lane_of: dict = {}  # attention DP: request id -> lane (the engine's scheduler fills it)
         self._step = 0
+        self._graphed_step = False  # the last ForwardMsg's graph decision (its propose follows it)
+
+    def padding_for(self, seqs: list[ScheduledSeq]) -> dict:
+        """Attention DP: every lane is padded to the same shape, so the bucket is the one of the busiest lane
+        (its requests per lane, not the whole batch's)."""
+        if self.graphs is None or not self.dp:
+            return super().padding_for(seqs)
+        per_lane = [0] * self.mapping.dp_size
+        for s in seqs:
+            per_lane[self.lane_of[s.request.request_id]] += 1
+        bucket = self.graphs.bucket_for(max(per_lane), [s.num_new for s in seqs])
+        return self.graphs.padding(bucket) if bucket else {}
+
+    def _step_graphed(self, plans, local) -> bool:
+        """One decision for every rank: replay iff every lane's plan (an idle lane's has the same padded
+        shape as lane 0's local one) fits a bucket. Sent in the ForwardMsg; the ranks never decide alone."""
+        if self.graphs is None:
+            return False
+        return self.graphs.matches(local) and all(self.graphs.matches(p) for p in plans if p is not None)
 
     def _lanes(self, seqs, plan):
         """(lane plans, lane 0's local plan, seq indices per lane) for a StepPlan or LanePlans."""
@@ -227,16 +177,18 @@ class DistributedRunner(LaneRunner):
     def _forward(self, seqs, plan) -> TargetOutput:
         plans, local, lane_idx = self._lanes(seqs, plan)
         self._step += 1
+        graphed = self._graphed_step = self._step_graphed(plans, local)
+        padding = self.graphs.padding(local.slots.shape[0]) if graphed else None  # the bucket's static shapes
         works, counts = [], []
         for lane, idx in enumerate(lane_idx):
             ids, rows, cnt = target_inputs([seqs[i] for i in idx])
             p = plans[lane]
-            args = plan_args(p) if p is not None else idle_plan_args(local.step_id, plan.pad_tokens_to,
-                                                                      plan.pad_batch_to)
+            args = plan_args(p, padding) if p is not None else idle_plan_args(local.step_id, plan.pad_tokens_to,
+                                                                               plan.pad_batch_to, padding)
             works.append(LaneWork(args, tuple(ids), tuple(rows) if self.dp else ()))
             counts.append((cnt, rows))
-        self.group.send(ForwardMsg(self._step, tuple(works)))
-        X, logits0 = self.run_target(local, works[0].token_ids, counts[0][1])
+        self.group.send(ForwardMsg(self._step, tuple(works), graphed))
+        X, logits0 = self.run_target(local, works[0].token_ids, counts[0][1], graphed)
         lane_logits = [logits0]
         if self.dp:
             got = self.group.gather(None)
@@ -276,7 +228,7 @@ class DistributedRunner(LaneRunner):
                 self.group.send(DraftTokensMsg(self._step, j, tuple(chosen)))
             return chosen[0]
 
-        self.run_drafts(local, target.streams, inps[0], draft_len, any_active, pick)
+        self.run_drafts(local, target.streams, inps[0], draft_len, any_active, pick, self._graphed_step)
         return drafts
 
 
@@ -285,7 +237,7 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
            on_message: Callable[[object], None] | None = None) -> None:
     """A worker's loop: run what the driver announces until it says stop."""
     lane = group.rank if dp else 0
-    held = None  # (step, plan, streams) of the last target forward, for its propose
+    held = None  # (step, plan, streams, graphed) of the last target forward, for its propose
     while True:
         msg = group.recv()
         if on_message is not None:
@@ -295,15 +247,15 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
         if isinstance(msg, ForwardMsg):
             work = msg.lanes[lane]
             plan = make_plan(layout, num_slots, work.plan, runner.device)
-            X, logits = runner.run_target(plan, work.token_ids, work.logit_rows)
+            X, logits = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed)
             if dp:
                 group.gather(None if logits is None else logits.cpu())
-            held = (msg.step, plan, X)
+            held = (msg.step, plan, X, msg.graphed)
         elif isinstance(msg, ProposeMsg):
             if held is None or held[0] != msg.step:
                 raise StepOrderError(f"rank {group.rank}: propose for step {msg.step} but the last target forward"
                                      f" was step {held[0] if held else None}; the driver must send ForwardMsg first")
-            _, plan, X = held
+            _, plan, X, graphed = held
             held = None
 
             def pick(j, logits_fn, msg=msg):
@@ -317,6 +269,6 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
                                          f" got {type(toks).__name__}")
                 return toks.tokens[lane]
 
-            runner.run_drafts(plan, X, msg.lanes[lane], msg.draft_len, msg.any_active, pick)
+            runner.run_drafts(plan, X, msg.lanes[lane], msg.draft_len, msg.any_active, pick, graphed)
         else:
             raise TypeError(f"rank {group.rank}: unknown message {type(msg).__name__}")

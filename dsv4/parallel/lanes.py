@@ -64,7 +64,10 @@ class LaneCaches:
                     m.abort_step(p)
             raise
         local = plans[0] if plans[0] is not None else \
-            make_plan(self.layout, self.lane_num_slots, idle_plan_args(self.managers[0].step_id, N, B), device)
+            make_plan(self.layout, self.lane_num_slots, idle_plan_args(
+                self.managers[0].step_id, N, B, {k: v for k, v in (("max_entries", max_entries),
+                                                                   ("max_blocks", max_blocks)) if v is not None}),
+                device)
         return LanePlans(tuple(plans), local, tuple(tuple(i) for i in idx), N, B)
 
     def commit_step(self, lp: LanePlans, num_accepted: Sequence[int]) -> None:

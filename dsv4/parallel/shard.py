@@ -84,7 +84,8 @@ class ParallelExperts(nn.Module):
 
     ``gather_tokens`` (attention DP): each rank holds only its own tokens, so the tokens, weights and ids of
     all ranks are all-gathered first (every rank pads to the same count), and after the sum each rank keeps
-    its own rows (reduce-scatter). Returns fp32 [N, d] like ``Experts``.
+    its own rows (reduce-scatter). Returns fp32 [N, d] like ``Experts``. On CUDA the local experts run the
+    device-side grouped GEMM (graph-safe), on the CPU its torch-loop twin.
     """
 
     def __init__(self, cfg: ModelConfig, num_local: int, first_expert: int, inter_local: int,
