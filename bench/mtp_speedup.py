@@ -49,7 +49,7 @@ def main():
             if k == 0 and hook:
                 continue
             llm.engine.draft_override = oracle(ref, args.p_right) if hook else None
-            llm.engine.spec_stats.__init__()
+            llm.engine.reset_stats()
             t, out = timed(lambda: llm.generate(prompts, sp))
             toks = [o.outputs[0].token_ids for o in out]
             if ref is None:

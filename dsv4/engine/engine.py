@@ -172,6 +172,12 @@ class LLMEngine:
             metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                      "finish_time": req.finish_time, "num_preemptions": req.num_preemptions})
 
+    def reset_stats(self):
+        """Start the step, preemption and speculation counters afresh (after warmup, or between runs)."""
+        self.spec_stats = SpecStats()
+        self.num_steps = 0
+        self.scheduler.num_preemptions = 0
+
     def get_stats(self) -> dict:
         return {"num_steps": self.num_steps, "num_preemptions": self.scheduler.num_preemptions,
                 "speculative": self.spec_stats.as_dict() if self.draft_len else None}

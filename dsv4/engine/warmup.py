@@ -55,7 +55,5 @@ def run_warmup(engine) -> list[str]:
         log.info("warmup: %s ok", name)
     if engine.cache.num_free_slots != engine.cache.num_slots:
         raise WarmupError("warmup left cache slots allocated; the cache leaks")
-    engine.spec_stats.__init__()
-    engine.num_steps = 0
-    engine.scheduler.num_preemptions = 0
+    engine.reset_stats()  # what users see starts after warmup
     return done
