@@ -22,3 +22,13 @@ def fixtures_dir():
     if not os.path.isdir(FIXTURES):
         pytest.skip("shared/fixtures not found beside the repository")
     return FIXTURES
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: on the shared 2-core machines (and with several ranks on them),
+    spinning OpenMP threads make thousands of tiny CPU ops crawl."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

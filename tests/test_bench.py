@@ -68,15 +68,7 @@ def seed_argv(model: str, dataset: str, config: str) -> list[str]:
     return [model if a == "$M" else a for a in argv[1:]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The 2-core machines are shared: two spinning OpenMP threads per process make CPU torch crawl."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_main(argv, capsys) -> tuple[int, str, str]:

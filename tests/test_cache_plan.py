@@ -23,13 +23,7 @@ from dsv4.config import get_preset
 F32 = torch.float32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # thousands of tiny tensor ops: intra-op threads only contend (10x slower on a busy 2-core box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def enc(width: int, chunks: int, layer, uid, pos, tok) -> torch.Tensor:

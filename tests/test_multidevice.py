@@ -45,13 +45,7 @@ LENS = [3, 17, 70, 130, 9, 40]  # 70 and 130 prefill in several 48-token chunks
 SP8 = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two ranks share the 2 cores: oversubscribed OpenMP threads make CPU torch crawl."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
