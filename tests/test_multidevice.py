@@ -242,7 +242,7 @@ def test_attention_dp_balances_and_pads_lanes():
     layout = CacheLayout(cfg, 2, 16)
     managers = [KVCacheManager(layout, 4, 32) for _ in range(2)]
     lane_of: dict = {}
-    sched = DataParallelScheduler([Scheduler(m, 4, 64, 2) for m in managers], lane_of)
+    sched = DataParallelScheduler([Scheduler(m, 4, 64) for m in managers], lane_of)
     reqs = [Request(str(i), [5] * n, SP(max_tokens=4)) for i, n in enumerate([3, 10, 4])]
     assert [sched.add(r) for r in reqs] == [0, 1, 0]
     sched.finish(reqs[1])  # lane 1 is empty again: it gets the next one

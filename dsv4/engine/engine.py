@@ -41,7 +41,7 @@ class LLMEngine:
         self.device = torch.device(engine_cfg.device)
         self.draft_len = engine_cfg.draft_len
         self.runner = ModelRunner(model, storage, self.device, engine_cfg.attention_backend)
-        self.scheduler = Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens, self.draft_len)
+        self.scheduler = Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -30,9 +30,9 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_num_tokens: int, draft_len: int):
+    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_num_tokens: int):
         self.cache = cache
-        self.max_batch_size, self.max_num_tokens, self.draft_len = max_batch_size, max_num_tokens, draft_len
+        self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

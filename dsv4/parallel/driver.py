@@ -129,7 +129,7 @@ class DistributedEngine(LLMEngine):
         self.runner.lane_of = lane_of
         if lanes > 1:
             self.scheduler = DataParallelScheduler(
-                [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens, self.draft_len)
+                [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens)
                  for m in managers], lane_of)
 
 
