@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from dsv4.cache.layout import CacheLayout
@@ -166,6 +167,38 @@ class StepPlan:
         manager.check_plan(self)
 
 
+def entries_for(layout: CacheLayout, ratio: int, max_entries: int) -> int:
+    """Columns E of ratio ``ratio``'s entry tables when the smallest ratio has ``max_entries``: a position whose
+    smallest-ratio count (p+1)//r0 is at most max_entries has (p+1)//r at most max_entries*r0//r when r is a
+    multiple of r0 (4 and 128 are). A ratio-128 layer needs 32x fewer columns than a ratio-4 one."""
+    r0 = min(layout.ratios)
+    return max(1, max_entries * r0 // ratio) if ratio != r0 else max_entries
+
+
+class _Pack:
+    """Host int64 vectors gathered into one buffer, moved to the device with one copy, read back as views."""
+
+    def __init__(self):
+        self.parts: list[np.ndarray] = []
+
+    def add(self, x) -> int:
+        self.parts.append(np.asarray(x, dtype=np.int64).reshape(-1))
+        return len(self.parts) - 1
+
+    def to(self, device) -> list[torch.Tensor]:
+        sizes = [p.size for p in self.parts]
+        flat = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64))
+        if torch.device(device).type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        return list(torch.split(flat, sizes))
+
+
+def _pad(x: np.ndarray, rows: int) -> np.ndarray:
+    out = np.zeros(rows, dtype=np.int64)
+    out[:x.shape[0]] = x
+    return out
+
+
 def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int, req_ids: Sequence,
                num_computed: Sequence[int], num_new: Sequence[int], draft_lens: Sequence[int],
                slots: Sequence[int], block_tables: Sequence[Sequence[int]], pad_tokens_to: int | None = None,
@@ -174,6 +207,9 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
     """Turn a validated batch (host ints) into a StepPlan. Pure: reads only its arguments.
 
     The manager validates requests; this checks only the padding arguments, which it alone interprets.
+    The per-token, per-window and per-request vectors are computed on the host (numpy), moved in one
+    copy, and the large 2-D tables (SWA reads [N, W], compressor windows [M, coff*r], entries [N, E]) are
+    built from them on ``device``: a decode step's host work does not grow with the context length.
     """
     B, N = len(req_ids), int(sum(num_new))
     Bp = B if pad_batch_to is None else int(pad_batch_to)
@@ -188,113 +224,107 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         raise ValueError(f"max_blocks={max_blocks} < {need_blocks} blocks reserved by a request of the step")
     padded = pad_batch_to is not None or pad_tokens_to is not None
 
+    # ---- host: per request, per token, per closed window (1-D, small) ---------------------------------------
     W, S = layout.window, layout.swa_cap
-    C = torch.tensor(list(num_computed) + [0] * (Bp - B), dtype=_I64)
-    n = torch.tensor(list(num_new) + [0] * (Bp - B), dtype=_I64)
-    slot_t = torch.tensor(list(slots) + [0] * (Bp - B), dtype=_I64)
-    dl = torch.tensor(list(draft_lens) + [0] * (Bp - B), dtype=_I64)
-    bt = torch.zeros(Bp, nb, dtype=_I64)
+    C = _pad(np.asarray(num_computed, dtype=np.int64), Bp)
+    n = _pad(np.asarray(num_new, dtype=np.int64), Bp)
+    slot_b = _pad(np.asarray(slots, dtype=np.int64), Bp)
+    dl = _pad(np.asarray(draft_lens, dtype=np.int64), Bp)
+    bt = np.zeros((Bp, nb), dtype=np.int64)
     for b, blocks in enumerate(block_tables):
-        if blocks:
-            bt[b, :len(blocks)] = torch.tensor(blocks, dtype=_I64)
-    qs = torch.zeros(Bp + 1, dtype=_I64)
-    qs[1:] = torch.cumsum(n, 0)
-
-    seq = torch.repeat_interleave(torch.arange(Bp, dtype=_I64), n)   # [N] batch row per token
-    off = torch.arange(N, dtype=_I64) - qs[seq]                      # [N] offset inside its request
-    pos = C[seq] + off                                               # [N] absolute position
-    C_t, qs_t, slot_tok, n_tok = C[seq], qs[seq], slot_t[seq], n[seq]
-
-    def to_step(q, C_of, qs_of):
-        """Combined-space step index of position q (>= C) of a request: base + its step token index."""
-        return qs_of + (q - C_of)
-
-    def pad_rows(x, rows, fill=0):
-        """Pad dim 0 to `rows` with `fill` and move to the plan's device."""
-        if x.shape[0] != rows:
-            out = torch.full((rows,) + tuple(x.shape[1:]), fill, dtype=x.dtype)
-            out[:x.shape[0]] = x
-            x = out
-        return x.to(device)
-
-    # ---- SWA: key i of the query at t is position t - W + 1 + i ----------------------------------------
-    swa_base = (num_slots + 1) * S
-    kp = pos[:, None] - (W - 1) + torch.arange(W, dtype=_I64)[None, :]          # [N, W]
-    swa_valid = kp >= 0
-    in_step = kp >= C_t[:, None]
-    ring = slot_tok[:, None] * S + kp.clamp(min=0) % S
-    swa_read = torch.where(in_step, swa_base + to_step(kp, C_t[:, None], qs_t[:, None]), ring)
-    swa_read = torch.where(swa_valid, swa_read, 0)
+        bt[b, :len(blocks)] = blocks
+    qs = np.zeros(Bp + 1, dtype=np.int64)
+    qs[1:] = np.cumsum(n)
+    seq = np.repeat(np.arange(Bp, dtype=np.int64), n)                     # [N] batch row per token
+    off = np.arange(N, dtype=np.int64) - qs[seq]                           # [N] offset inside its request
+    pos = C[seq] + off                                                     # [N] absolute position
+    n_tok = n[seq]
+    last_tok = np.zeros(Bp, dtype=np.int64)
+    last_tok[:B] = qs[1:B + 1] - 1
 
     def ring_write(cap):
         # Only the last `cap` tokens of a request write: earlier ones would be overwritten in this very step,
         # and skipping them keeps each scatter free of duplicate targets.
-        last = off >= n_tok - cap
-        return torch.where(last, slot_tok * cap + pos % cap, 0)
+        return np.where(off >= n_tok - cap, slot_b[seq] * cap + pos % cap, 0)
 
-    swa_write = ring_write(S)
+    pk = _Pack()
+    i_C, i_qs, i_slot, i_dl, i_bt, i_last = (pk.add(x) for x in (C, qs, slot_b, dl, bt, last_tok))
+    i_pos, i_seq = pk.add(_pad(pos, Np)), pk.add(_pad(seq, Np))
+    i_real = pk.add(np.arange(Np) < N)
+    i_swa_write = pk.add(_pad(ring_write(S), Np))
+    host_r = {}
+    for r in layout.ratios:
+        cap, epb = layout.state_cap(r), layout.entries_per_block(r)
+        # windows closed in this step: w with (w+1)*r - 1 in [C, C+n-1]  <=>  C//r <= w < (C+n)//r
+        first_w = C // r
+        counts = (C + n) // r - first_w                                    # [Bp]
+        M = int(counts.sum())
+        Mp = Np // r + Bp if padded else M
+        assert M <= Mp, (M, Mp)
+        win_seq = np.repeat(np.arange(Bp, dtype=np.int64), counts)
+        start = np.cumsum(counts) - counts
+        w = first_w[win_seq] + np.arange(M, dtype=np.int64) - start[win_seq]  # [M]
+        count = (pos + 1) // r                                             # [N]
+        max_count = int(count.max()) if N else 0
+        if max_entries is None:
+            E = max_count
+        else:
+            E = entries_for(layout, r, int(max_entries))
+            if E < max_count:
+                raise ValueError(f"max_entries={max_entries} gives ratio-{r} tables {E} entries but a token of"
+                                 f" this step sees {max_count}; size max_entries for max_seq_len // min(ratio)")
+        host_r[r] = dict(
+            M=M, Mp=Mp, E=E,
+            i=[pk.add(_pad(x, Mp)) for x in (win_seq, w, qs[win_seq] + (w + 1) * r - 1 - C[win_seq], w * r,
+                                             bt[win_seq, w // epb] * epb + w % epb, np.ones(M, np.int64),
+                                             C[win_seq], qs[win_seq], slot_b[win_seq])]
+            + [pk.add(_pad(ring_write(cap), Np)), pk.add(_pad(count, Np))])
+    v = pk.to(device)
 
-    # ---- per compress ratio ------------------------------------------------------------------------------
+    # ---- device: the 2-D tables ------------------------------------------------------------------------------
+    dev = v[i_C].device
+    C_d, qs_d, slot_d, bt_d = v[i_C], v[i_qs], v[i_slot], v[i_bt].view(Bp, nb)
+    pos_d, seq_d, real_d = v[i_pos], v[i_seq], v[i_real].bool()
+    C_t, qs_t = C_d[seq_d], qs_d[seq_d]  # padded tokens: row 0's values, masked by real_d below
+
+    # SWA: key i of the query at t is position t - W + 1 + i; combined index: ring rows, then step rows
+    swa_base = (num_slots + 1) * S
+    kp = pos_d[:, None] - (W - 1) + torch.arange(W, dtype=_I64, device=dev)[None, :]      # [Np, W]
+    swa_valid = (kp >= 0) & real_d[:, None]
+    ring = slot_d[seq_d][:, None] * S + kp.clamp(min=0) % S
+    swa_read = torch.where(kp >= C_t[:, None], swa_base + qs_t[:, None] + kp - C_t[:, None], ring)
+    swa_read = torch.where(swa_valid, swa_read, 0)
+
     tables = {}
     for r in layout.ratios:
         coff, cap, epb = layout.coff(r), layout.state_cap(r), layout.entries_per_block(r)
+        h = host_r[r]
+        win_seq, w, win_token, win_pos, win_write, active, Cw, qsw, slot_w, state_write, count = (v[i] for i in h["i"])
+        active = active.bool()
         state_base = (num_slots + 1) * cap
-        # windows closed in this step: w with (w+1)*r - 1 in [C, C+n-1]  <=>  C//r <= w < (C+n)//r
-        first_w = C // r
-        counts = (C + n) // r - first_w                                       # [B]
-        M = int(counts.sum())
-        win_seq = torch.repeat_interleave(torch.arange(Bp, dtype=_I64), counts)
-        start = torch.cumsum(counts, 0) - counts
-        w = first_w[win_seq] + torch.arange(M, dtype=_I64) - start[win_seq]    # [M]
-        Cw, qsw = C[win_seq], qs[win_seq]
-        win_token = to_step((w + 1) * r - 1, Cw, qsw)
-        win_write = bt[win_seq, w // epb] * epb + w % epb
         # columns: positions (w - coff + 1)*r .. (w+1)*r - 1; for CSA the first r are the previous window
         # (the model takes their A-halves) and the last r this window (B-halves)
-        q = (w - coff + 1)[:, None] * r + torch.arange(coff * r, dtype=_I64)[None, :]   # [M, coff*r]
-        win_valid = q >= 0
-        rows = torch.where(q >= Cw[:, None], state_base + to_step(q, Cw[:, None], qsw[:, None]),
-                           slot_t[win_seq][:, None] * cap + q.clamp(min=0) % cap)
-        win_rows = torch.where(win_valid, rows, 0)
-        Mp = Np // r + Bp if padded else M
-        assert M <= Mp, (M, Mp)
-
-        count = (pos + 1) // r                                                 # [N]
-        max_count = int(count.max()) if N else 0
-        E = max_count if max_entries is None else int(max_entries)
-        if E < max_count:
-            raise ValueError(f"max_entries={max_entries} but a token of this step sees {max_count} ratio-{r} "
-                             "entries; size max_entries for max_seq_len // min(ratio)")
-        we = torch.arange(E, dtype=_I64)
+        q = (w - coff + 1)[:, None] * r + torch.arange(coff * r, dtype=_I64, device=dev)[None, :]  # [Mp, coff*r]
+        win_valid = (q >= 0) & active[:, None]
+        rows = torch.where(q >= Cw[:, None], state_base + qsw[:, None] + q - Cw[:, None],
+                           slot_w[:, None] * cap + q.clamp(min=0) % cap)
+        we = torch.arange(h["E"], dtype=_I64, device=dev)
         entry_valid = we[None, :] < count[:, None]
-        blk = bt[seq[:, None], (we // epb).clamp(max=nb - 1)[None, :]]
-        entry_rows = torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0)
-
+        blk = bt_d[seq_d[:, None], (we // epb).clamp(max=nb - 1)[None, :]]
         tables[r] = RatioTables(
-            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base,
-            state_write=pad_rows(ring_write(cap), Np), num_windows=M,
-            win_token=pad_rows(win_token, Mp), win_seq=pad_rows(win_seq, Mp), win_index=pad_rows(w, Mp),
-            win_pos=pad_rows(w * r, Mp), win_write=pad_rows(win_write, Mp),
-            win_active=pad_rows(torch.ones(M, dtype=torch.bool), Mp, False),
-            win_rows=pad_rows(win_rows, Mp), win_valid=pad_rows(win_valid, Mp, False),
-            entry_count=pad_rows(count, Np), entry_rows=pad_rows(entry_rows, Np),
-            entry_valid=pad_rows(entry_valid, Np, False),
+            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base, state_write=state_write,
+            num_windows=h["M"], win_token=win_token, win_seq=win_seq, win_index=w, win_pos=win_pos,
+            win_write=win_write, win_active=active, win_rows=torch.where(win_valid, rows, 0), win_valid=win_valid,
+            entry_count=count, entry_rows=torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0),
+            entry_valid=entry_valid,
         )
 
-    last_tok = torch.zeros(Bp, dtype=_I64)
-    last_tok[:B] = qs[1:B + 1] - 1
-
-    def dev(x):
-        return x.to(device)
-
-    draft = DraftTables(slots=dev(slot_t), draft_lens=dev(dl), max_draft_len=max(list(draft_lens) + [0]),
+    draft = DraftTables(slots=slot_d, draft_lens=v[i_dl], max_draft_len=max(list(draft_lens) + [0]),
                         window=W, swa_cap=S, swa_step_base=swa_base)
     return StepPlan(
         owner=owner, step_id=step_id, req_ids=tuple(req_ids), num_computed=tuple(num_computed),
         num_new=tuple(num_new), draft_lens=tuple(draft_lens), num_tokens=N, num_seqs=B,
-        positions=dev(pad_rows(pos, Np)), token_seq=dev(pad_rows(seq, Np)), query_start=dev(qs),
-        computed_lens=dev(C), slots=dev(slot_t), block_table=dev(bt), last_token_index=dev(last_tok),
-        swa_step_base=swa_base, swa_read=dev(pad_rows(swa_read, Np)),
-        swa_valid=dev(pad_rows(swa_valid, Np, False)), swa_write=dev(pad_rows(swa_write, Np)),
-        ratio_tables=MappingProxyType(tables), draft=draft,
+        positions=pos_d, token_seq=seq_d, query_start=qs_d, computed_lens=C_d, slots=slot_d, block_table=bt_d,
+        last_token_index=v[i_last], swa_step_base=swa_base, swa_read=swa_read, swa_valid=swa_valid,
+        swa_write=v[i_swa_write], ratio_tables=MappingProxyType(tables), draft=draft,
     )

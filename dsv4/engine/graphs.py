@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..cache.plan import DraftTables
+from ..cache.plan import DraftTables, entries_for
 from .cuda_backend import CudaBackend
 
 _RATIO_FIELDS = ("state_write", "win_rows", "win_valid", "win_pos", "win_write", "entry_rows", "entry_valid")
@@ -86,12 +86,12 @@ class GraphRunner:
     # ---- static buffers ------------------------------------------------------------------------------
     def _static_tables(self, B: int) -> SimpleNamespace:
         dev, lay = self.storage.device, self.storage.layout
-        N, W, E = B * self.rows, lay.window, self.max_entries
+        N, W = B * self.rows, lay.window
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731 - null rows everywhere
         f = lambda *s: torch.zeros(*s, dtype=torch.bool, device=dev)  # noqa: E731 - nothing valid
         ratio = {}
         for r in lay.ratios:
-            M, cr = N // r + B, lay.coff(r) * r
+            M, cr, E = N // r + B, lay.coff(r) * r, entries_for(lay, r, self.max_entries)
             ratio[r] = SimpleNamespace(state_write=z(N), win_rows=z(M, cr), win_valid=f(M, cr), win_pos=z(M),
                                        win_write=z(M), entry_rows=z(N, E), entry_valid=f(N, E))
         swa_base = (self.storage.num_slots + 1) * lay.swa_cap
