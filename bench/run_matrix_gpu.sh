@@ -17,13 +17,13 @@ for mtp in on off; do
     cp /tmp/mtp_$mtp.yml $cfg
     [ $adp = on ] && echo "enable_attention_dp: true" >> $cfg
     echo "== MTP $mtp, attention DP $adp ($cfg)"
-    timeout 280 python3 -m dsv4.bench.cli --model $M --model_path $M throughput \
+    timeout ${CELL_TIMEOUT:-280} python3 -m dsv4.bench.cli --model $M --model_path $M throughput \
       --tp $RANKS --ep $RANKS --dataset /tmp/ds.jsonl \
       --max_batch_size 64 --max_num_tokens 8192 \
       --concurrency 32 --num_requests $N \
       --kv_cache_free_gpu_mem_fraction 0.8 --config $cfg --device cuda --no_progress \
       --report_json "$OUT/matrix_mtp${mtp}_adp${adp}.json" 2>&1 | grep -v Warning \
-      | grep -E "Requests \(|output throughput|Per GPU|acceptance|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
+      | grep -E "Requests \(|CUDA graphs|output throughput|Per GPU|acceptance|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
     echo "rc=${PIPESTATUS[0]}"
   done
 done

@@ -31,13 +31,6 @@ from .parallel.mapping import ParallelMapping
 
 log = logging.getLogger("dsv4")
 
-# Graphs whose steps contain NCCL collectives: tested on the CPU (static path), not yet working on GPUs.
-MULTIRANK_GRAPHS_ENV = "DSV4_MULTIRANK_CUDA_GRAPHS"
-
-
-def _multirank_graphs(device: str) -> bool:
-    return not device.startswith("cuda") or os.environ.get(MULTIRANK_GRAPHS_ENV, "") == "1"
-
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
@@ -136,7 +129,7 @@ class LLM:
                               self.model.has_mtp, cfg.draft_len, kvc.tokens_per_block, kv_dtype,
                               self.cache_sizing.num_slots, self.cache_sizing.num_blocks, self.mapping,
                               cfg.attention_backend,
-                              self._graph_spec(cfg, layout, max_seq_len) if _multirank_graphs(device) else None)
+                              self._graph_spec(cfg, layout, max_seq_len))
             self.engine = start_ranks(self._group, setup, self.model, mcfg, cfg, max_seq_len, self.tokenizer, device)
         self.warmup_paths = run_warmup(self.engine) if warmup else []
 
@@ -184,10 +177,6 @@ class LLM:
                          " it to its own grouped-expert MoE path")
         if cfg.cuda_graph_config is not None and not cfg.enforce_eager and not device.startswith("cuda"):
             notes.append("cuda_graph_config: there are no CUDA graphs on the CPU; steps run eagerly")
-        if self.mapping.world_size > 1 and not _multirank_graphs(device) and not cfg.enforce_eager:
-            notes.append(f"{self.mapping.world_size} ranks on CUDA: steps run eagerly; CUDA graphs across ranks are"
-                         f" opt-in ({MULTIRANK_GRAPHS_ENV}=1) until their NCCL capture is proven (the first"
-                         " 2x H200 try hung)")
         if device.startswith("cuda") and cfg.kv_cache_config.dtype == "fp8":
             notes.append("kv_cache_config.dtype=fp8: the FP8 cache runs on the plain-torch attention path (the"
                          " Triton kernels and CUDA graphs read bf16 caches for now); slower, not refused")

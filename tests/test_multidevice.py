@@ -288,8 +288,20 @@ def test_graph_path_on_every_rank_token_identical(ckpt, prompts, single, mode, m
         common = proposals.keys() & ref_proposals.keys()
         assert len(common) >= len(prompts)
         assert {k: proposals[k] for k in common} == {k: ref_proposals[k] for k in common}
+        assert graphs.matches(_any_plan(graphs)) and not graphs.released
+        llm.shutdown()  # the driver's graphs go before its process groups (NCCL waits for them otherwise)
+        assert graphs.released and not graphs.matches(_any_plan(graphs))
+        assert graphs.num_replays > before  # counts stay for the bench report
     finally:
         llm.shutdown()
+
+
+def _any_plan(graphs):
+    """The shape of a plan padded to the largest bucket."""
+    from types import SimpleNamespace
+
+    B, rows = max(graphs.buckets), graphs.rows
+    return SimpleNamespace(slots=torch.zeros(B), positions=torch.zeros(B * rows), num_new=[rows] * B)
 
 
 @pytest.mark.parametrize("first", [0, 4])

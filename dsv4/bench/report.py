@@ -94,10 +94,20 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
         "speculative": ({"decoding_type": spec.decoding_type, "draft_len": spec.draft_len} if spec else None),
         "cuda_graph_config": (vars(cfg.cuda_graph_config) if cfg.cuda_graph_config is not None else None),
         "enforce_eager": cfg.enforce_eager,
+        "cuda_graphs": _graphs(llm),
         "moe_backend": cfg.moe_config.backend,
         "settings": settings.merged,
         "settings_from": settings.sources,
     }
+
+
+def _graphs(llm) -> dict | None:
+    """The CUDA graphs the run used: buckets and how many steps replayed them (None: every step eager)."""
+    g = getattr(llm.engine.runner, "graphs", None)
+    if g is None:
+        return None
+    return {"captured": g.capture, "batch_sizes": list(g.buckets), "rows_per_request": g.rows,
+            "replays": g.num_replays}
 
 
 def build_report(*, llm, settings, result: RunResult, model: str, model_path: str, model_kind: str,
@@ -208,6 +218,10 @@ def format_report(rep: dict) -> str:
     spec = e["speculative"]
     L.append(_row("Speculative decoding", f"{spec['decoding_type']}, {spec['draft_len']} draft token(s) per step"
                   if spec else "off"))
+    g = e.get("cuda_graphs")
+    L.append(_row("CUDA graphs", "none (every step eager)" if g is None else
+                  f"{'captured' if g['captured'] else 'static buffers, not captured (CPU)'}: batch sizes"
+                  f" {g['batch_sizes']} x {g['rows_per_request']} rows, {g['replays']} step(s) replayed"))
     L.append(_row("KV cache dtype / tokens per block", f"{kv['dtype']} / {kv['tokens_per_block']}"))
     L.append(_row("KV cache free memory fraction",
                   f"{kv['free_gpu_memory_fraction']} (from {kv['free_gpu_memory_fraction_from']})"))

@@ -60,6 +60,7 @@ class GraphRunner:
         self._b: dict[int, _Bucket] = {}
         self.pool = None
         self.num_replays = 0
+        self.released = False
 
     # ---- which steps -------------------------------------------------------------------------------
     def bucket_for(self, num_seqs: int, num_new: list[int]) -> int | None:
@@ -212,6 +213,20 @@ class GraphRunner:
         if out is not None:
             bk.draft_out[j] = out
         return bk.draft_out[j]
+
+
+    def release(self) -> None:
+        """Destroy the captured graphs and their pool (before the NCCL groups go, see RankGroup.on_destroy).
+        No plan matches a bucket afterwards (steps would run eagerly); buckets and counts stay for reports."""
+        if self.capture:
+            torch.cuda.synchronize()
+        for bk in self._b.values():
+            for g in bk.graphs.values():
+                g.reset()
+            bk.graphs.clear()
+        self._b.clear()
+        self.pool = None
+        self.released = True
 
 
 def build_graphs(runner, spec: dict | None, capture: bool = True) -> GraphRunner | None:

@@ -80,6 +80,11 @@ class ModelRunner:
 
         self.graphs = None  # a GraphRunner once graphs are prepared (CUDA, not enforce_eager)
 
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs (later steps would run eagerly; ``graphs`` keeps its buckets and counts)."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def padding_for(self, seqs: list[ScheduledSeq]) -> dict:
         """begin_step padding that makes the step replay a CUDA graph bucket (empty: run eagerly)."""
         if self.graphs is None:

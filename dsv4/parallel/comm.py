@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ log = logging.getLogger("dsv4")
 
 ABORT_KEY = "dsv4/abort"
 TIMEOUT_ENV = "DSV4_DIST_TIMEOUT_S"
+STACKS_ENV = "DSV4_DUMP_STACKS_S"  # debugging a hang: every rank prints its threads' Python stacks every S s
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 _POLL_S = 0.1
 
@@ -136,6 +138,11 @@ class RankGroup:
         self._owns_default = True
         self._stop = threading.Event()  # ends the driver's monitor thread (joined before the groups go)
         self._monitor: threading.Thread | None = None
+        self._before_destroy: list = []  # called before the groups go (``on_destroy``)
+        if os.environ.get(STACKS_ENV):
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), repeat=True)
 
     # ---- starting ---------------------------------------------------------------------------------------
     @classmethod
@@ -364,7 +371,19 @@ class RankGroup:
                 p.kill()
                 p.wait()
 
+    def on_destroy(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` before the process groups are destroyed (shutdown or failure). The driver releases
+        its CUDA graphs here: NCCL keeps a communicator alive while any graph holding its captured
+        collectives exists, so destroying (or aborting) the group first waits forever (seen on 2x H200)."""
+        self._before_destroy.append(fn)
+
     def _destroy(self) -> None:
+        for fn in self._before_destroy:
+            try:
+                fn()
+            except Exception:  # pragma: no cover - best effort on the way down
+                log.exception("releasing before the process groups are destroyed")
+        self._before_destroy.clear()
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = None

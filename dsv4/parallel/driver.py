@@ -143,6 +143,7 @@ def start_ranks(group: RankGroup, setup: RankSetup, model, model_cfg, engine_cfg
                                kv_dtype=setup.kv_dtype)
         engine = DistributedEngine(model, model_cfg, layout, storage, engine_cfg, max_seq_len, tokenizer, group,
                                    setup.mapping, setup.num_slots, setup.num_blocks)
+        group.on_destroy(engine.runner.release_graphs)
         if build_graphs(engine.runner, setup.graphs) is not None:
             log.info("CUDA graphs on %d ranks: batch sizes %s x %d rows per request%s", group.world_size,
                      setup.graphs["buckets"], setup.graphs["rows_per_seq"],
