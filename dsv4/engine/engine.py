@@ -124,13 +124,15 @@ class LLMEngine:
     def _run(self, seqs: list[ScheduledSeq], plan, mtp: bool) -> tuple[list[int], list[list[int]]]:
         """Target forward, verify/sample, MTP proposal. Returns accepted counts and emitted tokens."""
         target = self.runner.forward(seqs, plan)
+        greedy = self._greedy_ids([lg if s.sample and s.request.params.greedy else None
+                                   for s, lg in zip(seqs, target.logits)])
         accepted, emitted = [], []
-        for s, logits in zip(seqs, target.logits):
+        for s, logits, ids in zip(seqs, target.logits, greedy):
             if not s.sample:
                 accepted.append(s.num_new)
                 emitted.append([])
                 continue
-            toks = self._verify(s, logits)
+            toks = accept_greedy(ids, list(s.drafts)) if ids is not None else self._verify_sampled(s, logits)
             self.spec_stats.record(len(s.drafts), len(toks) - 1)
             accepted.append(s.num_new - len(s.drafts) + len(toks) - 1)
             emitted.append(s.request.append(toks))
@@ -139,7 +141,7 @@ class LLMEngine:
             drafting = [s.sample and s.request.finish_reason is None for s in seqs]
             draft_probs: dict[int, list[torch.Tensor]] = {}
             drafts = self.runner.propose(seqs, plan, target, accepted, drafting, self.draft_len,
-                                         lambda b, j, lg: self._draft_token(seqs[b].request, lg, draft_probs, b))
+                                         lambda rows, j, lg: self._draft_tokens(seqs, rows, lg, draft_probs))
             for b, s in enumerate(seqs):
                 if drafting[b]:
                     d = drafts[b]
@@ -149,19 +151,42 @@ class LLMEngine:
                     s.request.draft_probs = torch.stack(draft_probs[b]) if b in draft_probs else None
         return accepted, emitted
 
-    def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
+    @staticmethod
+    def _greedy_ids(logits: list[torch.Tensor | None]) -> list[list[int] | None]:
+        """The argmax of every given [rows, V] block, in one device op and one host sync for the batch."""
+        given = [lg for lg in logits if lg is not None]
+        if not given:
+            return [None] * len(logits)
+        flat = torch.cat(given).argmax(-1).tolist()
+        out, off = [], 0
+        for lg in logits:
+            if lg is None:
+                out.append(None)
+            else:
+                out.append(flat[off:off + lg.shape[0]])
+                off += lg.shape[0]
+        return out
+
+    def _verify_sampled(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
         req = s.request
-        if req.params.greedy:
-            return accept_greedy(logits, list(s.drafts))
         return accept_sampled(logits, list(s.drafts), req.draft_probs if s.drafts else None, req.params,
                               req.generator)
 
-    def _draft_token(self, req: Request, logits: torch.Tensor, keep: dict, b: int) -> int:
-        if req.params.greedy:
-            return int(logits.argmax())
-        q = probs_from_logits(logits.unsqueeze(0), req.params)
-        keep.setdefault(b, []).append(q[0])
-        return int(sample(q, req.generator))
+    def _draft_tokens(self, seqs: list[ScheduledSeq], rows: list[int], logits: torch.Tensor,
+                      keep: dict) -> list[int]:
+        """Draft tokens of batch rows ``rows`` from their MTP logits [len(rows), V]: greedy rows take the
+        argmax (one sync for all of them), sampled rows draw from q and keep it for verification."""
+        greedy = self._greedy_ids([logits if any(seqs[b].request.params.greedy for b in rows) else None])[0]
+        out = []
+        for i, b in enumerate(rows):
+            req = seqs[b].request
+            if req.params.greedy:
+                out.append(greedy[i])
+                continue
+            q = probs_from_logits(logits[i:i + 1], req.params)
+            keep.setdefault(b, []).append(q[0])
+            out.append(int(sample(q, req.generator)))
+        return out
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None

@@ -194,14 +194,14 @@ class ModelRunner:
     def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, num_accepted: list[int],
                 drafting: list[bool], draft_len: int,
                 choose: Callable[[int, int, torch.Tensor], int]) -> list[list[int]]:
-        """MTP drafts for every seq with ``drafting`` set. ``choose(seq_index, step, logits [V]) -> token``
-        turns MTP logits into a draft token (argmax, or a sample whose q the caller keeps)."""
+        """MTP drafts for every seq with ``drafting`` set. ``choose(seq_indices, step, logits [A, V]) -> tokens``
+        turns the MTP logits of those seqs into draft tokens (argmax, or samples whose q the caller keeps)."""
         inp = draft_inputs(seqs, plan.num_computed, num_accepted, drafting)
         drafts: list[list[int]] = [[] for _ in seqs]
 
         def pick(j, logits_fn):
             logits = logits_fn()
-            toks = [choose(b, j, logits[i]) for i, b in enumerate(inp.active)]
+            toks = list(choose(list(inp.active), j, logits)) if inp.active else []
             for b, t in zip(inp.active, toks):
                 drafts[b].append(t)
             return toks

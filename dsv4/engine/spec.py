@@ -17,9 +17,8 @@ from .sampler import probs_from_logits, sample
 from .sampling_params import SamplingParams
 
 
-def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    """target_logits: [k+1, V] at the verify rows. Returns the emitted tokens (accepted drafts + 1)."""
-    target = target_logits.argmax(-1).tolist()
+def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """target: the target's argmax at the k+1 verify rows. Returns the emitted tokens (accepted drafts + 1)."""
     out = []
     for j, d in enumerate(drafts):
         out.append(target[j])

@@ -220,7 +220,7 @@ class DistributedRunner(LaneRunner):
             chosen = []
             for lane, inp in enumerate(inps):
                 idx = lane_idx[lane]
-                toks = tuple(choose(idx[b], j, lane_logits[lane][i]) for i, b in enumerate(inp.active))
+                toks = tuple(choose([idx[b] for b in inp.active], j, lane_logits[lane])) if inp.active else ()
                 for b, t in zip(inp.active, toks):
                     drafts[idx[b]].append(t)
                 chosen.append(toks)
