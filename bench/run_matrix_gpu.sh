@@ -11,19 +11,18 @@ python3 -m dsv4.bench.cli --model $M prepare-dataset --output /tmp/ds.jsonl toke
   --input-mean $ISL --output-mean $OSL --input-stdev 0 --output-stdev 0
 sed "s/dtype: fp8/dtype: $KV/" examples/mtp.yml > /tmp/mtp_on.yml
 grep -v "speculative_config\|decoding_type\|num_nextn" /tmp/mtp_on.yml > /tmp/mtp_off.yml
-for mtp in on off; do
-  for adp in off on; do
-    cfg=/tmp/cell_mtp${mtp}_adp${adp}.yml
-    cp /tmp/mtp_$mtp.yml $cfg
-    [ $adp = on ] && echo "enable_attention_dp: true" >> $cfg
-    echo "== MTP $mtp, attention DP $adp ($cfg)"
-    timeout ${CELL_TIMEOUT:-280} python3 -m dsv4.bench.cli --model $M --model_path $M throughput \
+for cell in ${CELLS:-on:off on:on off:off off:on}; do  # MTP:attention-DP
+  mtp=${cell%:*} adp=${cell#*:}
+  cfg=/tmp/cell_mtp${mtp}_adp${adp}.yml
+  cp /tmp/mtp_$mtp.yml $cfg
+  [ $adp = on ] && echo "enable_attention_dp: true" >> $cfg
+  echo "== MTP $mtp, attention DP $adp ($cfg)"
+  timeout ${CELL_TIMEOUT:-280} python3 -m dsv4.bench.cli --model $M --model_path $M throughput \
       --tp $RANKS --ep $RANKS --dataset /tmp/ds.jsonl \
       --max_batch_size 64 --max_num_tokens 8192 \
       --concurrency 32 --num_requests $N \
       --kv_cache_free_gpu_mem_fraction 0.8 --config $cfg --device cuda --no_progress \
       --report_json "$OUT/matrix_mtp${mtp}_adp${adp}.json" 2>&1 | grep -v Warning \
       | grep -E "Requests \(|CUDA graphs|output throughput|Per GPU|acceptance|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
-    echo "rc=${PIPESTATUS[0]}"
-  done
+  echo "rc=${PIPESTATUS[0]}"
 done

@@ -9,7 +9,7 @@ order with the same shapes:
     driver                                    every other rank
     ForwardMsg(step, lanes)          ---->    build its StepPlan from its lane's build_plan arguments
                                               (the same function the driver's cache used), run the target
-    [attention DP: gather logits]    <----    logits of its lane's sampled rows
+    [attention DP: gather logits]    <----    logits of its lane's sampled rows (data group all-gather)
     sample / verify (the driver only)
     ProposeMsg(step, lanes, k, any)  ---->    MTP catch-up pass
     for j in 1..k:
@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from ..cache.layout import CacheLayout
 from ..cache.manager import StepOrderError
@@ -106,6 +108,21 @@ def idle_plan_args(step_id: int, num_tokens: int, num_rows: int, padding: dict |
 
 def make_plan(layout: CacheLayout, num_slots: int, args: dict, device) -> StepPlan:
     return build_plan(layout, num_slots=num_slots, owner=0, device=device, **args)
+
+
+# ---- attention DP: logits to the driver ------------------------------------------------------------------------
+def gather_lanes(comm, logits, counts: list[int], vocab: int, device) -> list:
+    """Every rank's lane logits ([counts[r], V], None or empty where a lane has none) to every rank, as
+    fp32 rows over the data group (NCCL on GPUs: one all-gather of padded device tensors, no pickling
+    through the control group). ``counts`` is known to every rank from the driver's message."""
+    R = max(counts)
+    if R == 0:
+        return [None] * len(counts)
+    buf = torch.zeros(R, vocab, dtype=torch.float32, device=device)
+    if logits is not None and logits.shape[0]:
+        buf[:logits.shape[0]] = logits
+    every = comm.all_gather(buf)
+    return [every[r * R:r * R + c] if c else None for r, c in enumerate(counts)]
 
 
 # ---- one rank's passes ----------------------------------------------------------------------------------------
@@ -191,8 +208,9 @@ class DistributedRunner(LaneRunner):
         X, logits0 = self.run_target(local, works[0].token_ids, counts[0][1], graphed)
         lane_logits = [logits0]
         if self.dp:
-            got = self.group.gather(None)
-            lane_logits += [None if t is None else t.to(self.device) for t in got[1:]]
+            got = gather_lanes(self.group.collectives, logits0, [len(w.logit_rows) for w in works],
+                               self.model.cfg.vocab_size, self.device)
+            lane_logits += got[1:]
         per_seq: list = [None] * len(seqs)
         for lane, idx in enumerate(lane_idx):
             off = 0
@@ -216,7 +234,9 @@ class DistributedRunner(LaneRunner):
         def pick(j, logits_fn):
             lane_logits = [logits_fn()]
             if self.dp:
-                lane_logits += [t.to(self.device) for t in self.group.gather(None)[1:]]
+                got = gather_lanes(self.group.collectives, lane_logits[0], [len(i.active) for i in inps],
+                                   self.model.cfg.vocab_size, self.device)
+                lane_logits += got[1:]
             chosen = []
             for lane, inp in enumerate(inps):
                 idx = lane_idx[lane]
@@ -249,7 +269,8 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
             plan = make_plan(layout, num_slots, work.plan, runner.device)
             X, logits = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed)
             if dp:
-                group.gather(None if logits is None else logits.cpu())
+                gather_lanes(group.collectives, logits, [len(w.logit_rows) for w in msg.lanes],
+                             runner.model.cfg.vocab_size, runner.device)
             held = (msg.step, plan, X, msg.graphed)
         elif isinstance(msg, ProposeMsg):
             if held is None or held[0] != msg.step:
@@ -260,7 +281,8 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
 
             def pick(j, logits_fn, msg=msg):
                 if dp:
-                    group.gather(logits_fn().cpu())
+                    gather_lanes(group.collectives, logits_fn(), [len(i.active) for i in msg.lanes],
+                                 runner.model.cfg.vocab_size, runner.device)
                 if j >= msg.draft_len:
                     return ()
                 toks = group.recv()

@@ -1,0 +1,61 @@
+"""Where a decode step's GPU time goes: torch.profiler over a few engine steps (CUDA graphs replayed), kernels
+grouped by name, per step. Prints the kernel count, the summed kernel time and the top kernels.
+
+    python3 bench/profile_decode.py --batch 1 32 [--preset flash-L4-E32 --steps 10 --top 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from common import report, sync, table
+from torch.profiler import ProfilerActivity, profile
+
+from dsv4 import LLM, SamplingParams
+from dsv4.config import get_preset
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="flash-L4-E32")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--append", default=None)
+    a = ap.parse_args()
+    cfg = get_preset(a.preset)
+    llm = LLM(a.preset, device="cuda", dtype="bf16", max_batch_size=max(a.batch), max_num_tokens=8192,
+              max_seq_len=a.prompt_len + 2 * a.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2},
+              enforce_eager=a.eager)
+    eng = llm.engine
+    rng = random.Random(0)
+    for B in a.batch:
+        for _ in range(B):
+            eng.add_request([rng.randrange(2, cfg.vocab_size) for _ in range(a.prompt_len)],
+                            SamplingParams(max_tokens=2 * a.steps + 8, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.steps):
+                eng.step()
+            sync()
+        while eng.has_unfinished_requests():
+            eng.step()
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+        total_us = sum(e.device_time_total for e in kernels)
+        count = sum(e.count for e in kernels)
+        kernels.sort(key=lambda e: -e.device_time_total)
+        rows = [[e.key[:70].replace("|", "/"), f"{e.count / a.steps:.0f}", f"{e.device_time_total / a.steps:.1f}",
+                 f"{100 * e.device_time_total / max(total_us, 1e-9):.1f}%"] for e in kernels[:a.top]]
+        text = table(["kernel", "launches / step", "us / step", "share"], rows)
+        head = (f"{count / a.steps:.0f} kernel launches per step, {total_us / a.steps / 1e3:.2f} ms of kernel time"
+                f" per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'})")
+        report(f"Decode step kernels, {a.preset}, bf16, batch {B}", head + "\n\n" + text, a.append)
+
+
+if __name__ == "__main__":
+    main()
