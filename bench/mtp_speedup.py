@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
+
+import torch
 
 from common import report, table, timed
 
@@ -22,6 +25,27 @@ def oracle(reference: dict, p_right: float, seed: int = 0):
                 for j, d in enumerate(drafts)]
 
     return override
+
+
+@torch.no_grad()
+def _divergence_gap(model, prompts, outs, ref) -> str:
+    """At each request's first divergence from MTP off, the dense reference model's (teacher-forced, MTP-off
+    prefix) logit difference between the two tokens; beside it the median top-1/top-2 gap over the positions
+    before it, for scale. A near-tie shows as a gap far below the median."""
+    gaps, typical = [], []
+    for p, o in zip(prompts, outs):
+        r = ref[tuple(p)]
+        i = next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), None)
+        if i is None:
+            continue
+        ids = torch.tensor([p + r[:i]], device=model.embed.weight.device)
+        logits = model(ids)[0].float()
+        gaps.append(abs((logits[-1, r[i]] - logits[-1, o[i]]).item()))
+        top2 = logits[len(p) - 1:].topk(2, dim=-1).values
+        typical.append((top2[:, 0] - top2[:, 1]).median().item())
+    if not gaps:
+        return "none"
+    return f"{min(gaps):.3f} ({statistics.median(typical):.3f})"
 
 
 def main():
@@ -57,13 +81,16 @@ def main():
             pairs = [(ref[tuple(p)], o) for p, o in zip(prompts, toks)]
             same = sum(a == b for r, o in pairs for a, b in zip(r, o)) / sum(len(r) for r, _ in pairs)
             first = min(next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in pairs)
+            if k == 0:
+                ref_model = llm.model
+            gap = "-" if k == 0 or hook else _divergence_gap(ref_model, prompts, [o for _, o in pairs], ref)
             st = llm.get_stats()["speculative"] or {}
             rows.append([k, label if k else "off", args.concurrency * args.gen / t,
                          f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
-                         f"{same:.3f}", first])
+                         f"{same:.3f}", first, gap])
         llm.engine.draft_override = None
     text = table(["k", "drafts", "output tok/s", "acceptance", "mean accepted len", "tokens identical to MTP off",
-                  "first divergence"], rows)
+                  "first divergence", "logit gap there (top-2 gap, median elsewhere)"], rows)
     report(f"MTP on vs off, {args.preset}, concurrency {args.concurrency}, {args.gen} output tokens", text,
            args.append, notes="Random weights: the real MTP layer is almost never right; the oracle rows show the"
                               " speed-up at a known acceptance.")

@@ -7,10 +7,13 @@ grouped by name, per step. Prints the kernel count, the summed kernel time and t
 from __future__ import annotations
 
 import argparse
+import collections
 import random
+import sys
 
 from common import report, sync, table
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
@@ -43,6 +46,7 @@ def main():
             for _ in range(a.steps):
                 eng.step()
             sync()
+        sources = _ops_by_source(eng, a.top)
         while eng.has_unfinished_requests():
             eng.step()
         kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
@@ -55,6 +59,47 @@ def main():
         head = (f"{count / a.steps:.0f} kernel launches per step, {total_us / a.steps / 1e3:.2f} ms of kernel time"
                 f" per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'})")
         report(f"Decode step kernels, {a.preset}, bf16, batch {B}", head + "\n\n" + text, a.append)
+        report(f"Device ops of one eager decode step by source line, batch {B}", sources, a.append)
+
+
+class _OpsBySource(TorchDispatchMode):
+    """Counts the ops that reach a device kernel (views and metadata ops left out) by the dsv4 source line
+    that issued them."""
+
+    _META = ("detach", "view", "_unsafe_view", "unsqueeze", "t", "slice", "select", "expand", "as_strided",
+             "reshape", "squeeze", "permute", "transpose", "alias", "split", "split_with_sizes", "unbind",
+             "flatten", "lift_fresh", "unflatten", "_reshape_alias", "empty", "empty_like", "empty_strided")
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in self._META:
+            f, where = sys._getframe(1), "?"
+            while f is not None:
+                path = f.f_code.co_filename
+                if "/dsv4/" in path:
+                    where = f"{path.split('/dsv4/')[1]}:{f.f_lineno} {f.f_code.co_name}"
+                    break
+                f = f.f_back
+            self.counts[(where, name)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_by_source(eng, top: int) -> str:
+    """One decode step with the graphs set aside (eager, same kernels), its device ops by source line."""
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    mode = _OpsBySource()
+    try:
+        with mode:
+            eng.step()
+    finally:
+        eng.runner.graphs = graphs
+    total = sum(mode.counts.values())
+    rows = [[w.replace("|", "/"), op, n] for (w, op), n in mode.counts.most_common(top)]
+    return f"{total} device ops in one eager step\n\n" + table(["source", "op", "count"], rows)
 
 
 if __name__ == "__main__":

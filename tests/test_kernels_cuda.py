@@ -198,11 +198,53 @@ def test_hc_weights_kernel_matches_torch():
     assert rel_err(u, u_ref) < 1e-5 and torch.equal(comb2, comb)
 
 
-def test_rms_norm_cuda_matches_twin():
+def _poison_allocator(numel: int, dtype):
+    """Leave NaN-filled blocks in the caching allocator, so an output element a kernel never writes is NaN."""
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        torch.full((numel,), float("nan"), device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(33, 7, 512), (5, 4096), (9, 1000), (1, 64)])
+def test_rms_norm_kernel_matches_twin(dtype, shape):
+    """dsv4.kernels.norm (what ops.rms_norm runs on CUDA) against the torch lines on the CPU."""
     from dsv4.model.ops import rms_norm
 
-    x = torch.randn(33, 7, 512, device="cuda").bfloat16()
-    w = torch.rand(512, device="cuda") + 0.5
-    ref = rms_norm(x.cpu(), w.cpu(), 1e-6).float()
-    assert rel_err(rms_norm(x, w, 1e-6).float().cpu(), ref) < 1e-2
-    assert rel_err(rms_norm(x, None, 1e-6).float().cpu(), rms_norm(x.cpu(), None, 1e-6).float()) < 1e-2
+    g = torch.Generator(device="cuda").manual_seed(shape[-1])
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(shape[-1], device="cuda", generator=g) + 0.5).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    for weight in (w, None):
+        ref = rms_norm(x.cpu(), None if weight is None else weight.cpu(), 1e-6)
+        _poison_allocator(x.numel(), dtype)
+        out = rms_norm(x, weight, 1e-6)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        assert rel_err(out.cpu(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(7, 64, 512), (3, 512), (4, 2, 3, 128), (37, 64, 128), (2, 64)])
+def test_rope_kernel_equals_twin(dtype, shape):
+    """dsv4.kernels.rope (what ops.apply_rope runs on CUDA) does the twin's fp32 arithmetic without fused
+    multiply-adds: bit-identical to the torch lines on the CPU, forward and inverse."""
+    from dsv4.kernels import rope as kernel
+    from dsv4.model.ops import apply_rope, rope_cos_sin
+
+    g = torch.Generator(device="cuda").manual_seed(shape[-1] + len(shape))
+    R = 64
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    pos = torch.randint(0, 100000, (shape[0],), device="cuda", generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, R, 2, device="cuda").float() / R))
+    cos, sin = rope_cos_sin(inv_freq, pos)
+    assert kernel.usable(x, cos)
+    for inverse in (False, True):
+        ref = apply_rope(x.cpu(), cos.cpu(), sin.cpu(), inverse)
+        _poison_allocator(x.numel(), dtype)
+        out = apply_rope(x, cos, sin, inverse)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out.cpu(), ref)
+    if x.dim() == 3:  # the same values with non-contiguous strides (copied first)
+        strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not strided.is_contiguous()
+        assert torch.equal(apply_rope(strided, cos, sin).cpu(), apply_rope(x.cpu(), cos.cpu(), sin.cpu()))

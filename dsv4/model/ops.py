@@ -9,10 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import norm as norm_kernel
+from ..kernels import rope as rope_kernel
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, result in x's dtype. ``weight=None`` is the unweighted variant."""
-    if x.is_cuda:  # one fused kernel instead of six; the lines below are its twin
+    if x.is_cuda:  # one kernel instead of six; the lines below are its twin
+        if norm_kernel.HAVE_TRITON:
+            return norm_kernel.rms_norm(x, weight, eps)
         w = weight.float() if weight is not None else None
         return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
     xf = x.float()
@@ -32,8 +37,11 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*cos.shape[-1] channels of x (pairs (2i, 2i+1)); ``inverse`` uses -angle.
 
-    x: [N, ..., D]; cos/sin: [N, R/2] (broadcast over the middle dims).
+    x: [N, ..., D]; cos/sin: [N, R/2] (broadcast over the middle dims). On CUDA one Triton kernel does it
+    (``dsv4.kernels.rope``); the lines below are its twin.
     """
+    if x.is_cuda and rope_kernel.usable(x, cos):
+        return rope_kernel.apply_rope(x, cos, sin, inverse)
     half = cos.shape[-1]
     nope, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
     while cos.dim() < rope.dim():  # [N, R/2] -> [N, 1.., R/2]
