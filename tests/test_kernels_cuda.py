@@ -223,6 +223,16 @@ def test_rms_norm_kernel_matches_twin(dtype, shape):
         assert rel_err(out.cpu(), ref) < tol
 
 
+def test_rope_and_norm_on_empty_inputs():
+    """A step that closes no compressor window ropes and norms zero rows."""
+    from dsv4.model.ops import apply_rope, rms_norm, rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.ones(32, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda"))
+    for shape in [(0, 512), (0, 64, 512), (0, 4, 128)]:
+        x = torch.zeros(*shape, device="cuda", dtype=torch.bfloat16)
+        assert apply_rope(x, cos, sin).shape == x.shape and rms_norm(x, None, 1e-6).shape == x.shape
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(7, 64, 512), (3, 512), (4, 2, 3, 128), (37, 64, 128), (2, 64)])
 def test_rope_kernel_equals_twin(dtype, shape):
