@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import random
 import sys
+import time
 
 from common import report, sync, table
 from torch.profiler import ProfilerActivity, profile
@@ -46,6 +49,7 @@ def main():
             for _ in range(a.steps):
                 eng.step()
             sync()
+        host = _host_profile(eng, a.steps, a.top)
         sources = _ops_by_source(eng, a.top)
         while eng.has_unfinished_requests():
             eng.step()
@@ -60,6 +64,27 @@ def main():
                 f" per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'})")
         report(f"Decode step kernels, {a.preset}, bf16, batch {B}", head + "\n\n" + text, a.append)
         report(f"Device ops of one eager decode step by source line, batch {B}", sources, a.append)
+        report(f"Host time of a graphed decode step by function (cProfile), batch {B}", host, a.append)
+
+
+def _host_profile(eng, steps: int, top: int) -> str:
+    """Where the step's host time goes (graphs replayed): cProfile, functions by own time per step. Waiting
+    for the GPU shows up in the call that synchronises (``tolist``, ``item``)."""
+    sync()
+    t0 = time.perf_counter()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    sync()
+    wall = (time.perf_counter() - t0) / steps
+    st = pstats.Stats(prof)
+    rows = sorted(((tt, nc, f) for f, (_, nc, tt, _, _) in st.stats.items()), reverse=True)[:top]
+    text = table(["function", "calls / step", "own ms / step"],
+                 [[f"{f[0].split('/')[-1]}:{f[1]} {f[2]}".replace("|", "/"), f"{nc / steps:.0f}",
+                   f"{tt / steps * 1e3:.3f}"] for tt, nc, f in rows])
+    return f"{wall * 1e3:.2f} ms per step under cProfile (which adds overhead)\n\n" + text
 
 
 class _OpsBySource(TorchDispatchMode):
