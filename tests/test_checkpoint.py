@@ -302,6 +302,34 @@ def test_write_read_round_trip(tiny, tiny_sd, naming, tmp_path):
     assert_same(sd, tiny_sd)
 
 
+@pytest.mark.parametrize("naming, quantize", [("deepseek", None), ("hf", None), ("deepseek", "fp8")])
+def test_read_one_ranks_experts(tiny, tiny_sd, naming, quantize, tmp_path, monkeypatch):
+    """An expert-parallel rank reads only its routed experts: the stacked tensors hold experts 2..5, equal
+    to those rows of the full read, everything else is the full read, and no other expert's bytes are read
+    (per-expert keys are never opened; transformers' fused tensors are read as a row slice)."""
+    from dsv4.checkpoint import io
+
+    write_checkpoint(str(tmp_path), tiny, tiny_sd, naming=naming, quantize=quantize)
+    full, _ = read_state_dict(str(tmp_path), tiny)
+    asked = []
+    get = io._Reader._get
+    monkeypatch.setattr(io._Reader, "_get",
+                        lambda self, name, rows: asked.append((name, rows)) or get(self, name, rows))
+    part, has_mtp = read_state_dict(str(tmp_path), tiny, experts=range(2, 6))
+    assert has_mtp and sorted(part) == sorted(full)
+    stacked = [k for k in full if k.endswith(("ffn.experts.w1", "ffn.experts.w2", "ffn.experts.w3"))]
+    assert any(k.startswith("mtp.") for k in stacked)
+    for k in full:
+        assert torch.equal(part[k], full[k][2:6] if k in stacked else full[k]), k
+    per_expert = [int(n.split(".experts.")[1].split(".")[0]) for n, _ in asked if ".experts." in n
+                  and n.split(".experts.")[1].split(".")[0].isdigit()]
+    assert per_expert and set(per_expert) <= {2, 3, 4, 5}
+    fused = [rows for n, rows in asked if n.endswith(("gate_up_proj", "down_proj"))]
+    assert all(r == range(2, 6) for r in fused) and (len(fused) > 0) == (naming == "hf")
+    with pytest.raises(ValueError, match="contiguous range"):
+        read_state_dict(str(tmp_path), tiny, experts=range(6, 10))
+
+
 def test_fp8_write_read(tiny, tiny_sd, tmp_path):
     write_checkpoint(str(tmp_path), tiny, tiny_sd, quantize="fp8")
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:

@@ -235,6 +235,27 @@ def test_shards_cover_the_model_exactly_once(mode):
             assert ".attn." in name and "indexer" not in name, name
 
 
+@pytest.mark.parametrize("settings", [{"moe_expert_parallel_size": 2},
+                                      {"tensor_parallel_size": 4, "moe_expert_parallel_size": 2},
+                                      {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2}])
+def test_rank_reads_only_its_experts(ckpt, settings):
+    """What a rank builds from its read share of the checkpoint (its routed experts only) equals what it
+    would slice from the whole checkpoint."""
+    from dsv4.model.loader import load_state
+    from dsv4.parallel.shard import rank_experts
+
+    cfg, full, _ = load_state(ckpt)
+    m = ParallelMapping.from_engine_config(EngineConfig(**settings))
+    for r in range(m.world_size):
+        mr = m.with_rank(r)
+        experts = rank_experts(cfg, mr)
+        assert len(experts) == cfg.n_routed_experts // m.ep
+        _, part, _ = load_state(ckpt, experts=experts)
+        assert part["layers.0.ffn.experts.w1"].shape[0] == len(experts)
+        a, b = shard_state_dict(full, cfg, mr), shard_state_dict(part, cfg, mr)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_attention_dp_balances_and_pads_lanes():
     """New requests go to the lane with the fewest in flight; every lane's plan has the same padded shape,
     and an idle lane 0 gets an inert plan on the null slot."""

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig, load_config
-from .names import (detect_naming, deepseek_to_model, hf_to_deepseek_name, hf_to_model, model_to_deepseek,
-                    model_to_hf)
+from .names import (detect_naming, deepseek_to_model, hf_items_to_deepseek, hf_to_deepseek_name,
+                    is_fused_hf_expert, model_to_deepseek, model_to_hf, split_expert_key)
 from .quant import FP8_BLOCK, dequant_fp4, dequant_fp8_block, is_fp4_packed, quant_fp4, quant_fp8_block
 from .schema import CheckpointError, tensor_dtype, validate_state_dict
 
@@ -112,17 +112,32 @@ class _Reader:
         scale_names = set(self.scales.values())
         return [n for n in self.where if n not in scale_names]
 
-    def items(self, names, naming: str, dtype: torch.dtype, device):
+    def _get(self, name: str, rows: range | None) -> torch.Tensor:
+        """The tensor, or only its rows ``rows`` along dim 0 (read from the file as a slice)."""
+        if rows is None:
+            return self.where[name].get_tensor(name)
+        return self.where[name].get_slice(name)[rows.start:rows.stop]
+
+    def items(self, names, naming: str, dtype: torch.dtype, device, experts: range | None = None):
+        """``experts``: transformers' fused expert tensors ([E, ...]) are read for these experts only."""
         for name in names:
-            raw = self.where[name].get_tensor(name).to(device)
+            rows = experts if experts is not None and naming == "hf" and is_fused_hf_expert(name) else None
+            raw = self._get(name, rows).to(device)
             scale = self.scales.get(name)
-            scale = None if scale is None else self.where[scale].get_tensor(scale).to(device)
+            scale = None if scale is None else self._get(scale, rows).to(device)
             ds_name = hf_to_deepseek_name(name) if naming == "hf" else name
             yield name, _decode(name, raw, scale, tensor_dtype(ds_name, dtype))
 
 
+def _other_expert(name: str, n_experts: int, experts: range) -> bool:
+    """A per-expert tensor (DeepSeek naming) of a routed expert outside ``experts``."""
+    split = split_expert_key(name)
+    return split is not None and split[1] < n_experts and split[1] not in experts
+
+
 def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                    device="cpu", with_mtp: bool | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+                    device="cpu", with_mtp: bool | None = None,
+                    experts: range | None = None) -> tuple[dict[str, torch.Tensor], bool]:
     """Read a checkpoint directory into the model state-dict; returns (state_dict, has_mtp).
 
     * Files: ``*.safetensors``, single or sharded (``model.safetensors.index.json``); pickle is refused.
@@ -131,18 +146,24 @@ def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = 
       ``dtype``; hc_*, attn_sink, ape and gate.bias are float32 whatever ``dtype``; tid2eid is int64.
     * with_mtp: None = load the MTP layer if the file has one; False = skip ``mtp.*``; True = require it.
       A file without any ``mtp.*`` tensor gives has_mtp=False; a partial MTP layer is an error.
+    * experts: only these routed experts are read (an expert-parallel rank's share; the stacked tensors
+      are then [len(experts), ...], expert ``experts.start`` first); the other experts' bytes are never read.
     Any missing, unexpected or mis-shaped tensor raises CheckpointError naming it.
     """
+    E = cfg.n_routed_experts
+    if experts is not None and not (0 <= experts.start < experts.stop <= E and experts.step == 1):
+        raise ValueError(f"experts={experts!r} is not a contiguous range inside 0..{E - 1}")
     with contextlib.ExitStack() as stack:
         reader = _Reader(_safetensors_files(checkpoint_dir), stack)
         names = reader.names()
         naming = detect_naming(names)
         has_mtp = _resolve_mtp(cfg, any(n.startswith(_MTP) for n in names), with_mtp)
-        names = [n for n in names if has_mtp or not n.startswith(_MTP)]
-        items = reader.items(names, naming, dtype, device)
-        convert = hf_to_model if naming == "hf" else deepseek_to_model
-        state_dict = convert(items, cfg.n_routed_experts)
-    validate_state_dict(state_dict, cfg, with_mtp=has_mtp)
+        names = [n for n in names if (has_mtp or not n.startswith(_MTP))
+                 and not (experts is not None and _other_expert(n, E, experts))]
+        items = reader.items(names, naming, dtype, device, experts)
+        pairs = hf_items_to_deepseek(items) if naming == "hf" else items
+        state_dict = deepseek_to_model(pairs, E, experts)
+    validate_state_dict(state_dict, cfg, with_mtp=has_mtp, num_experts=None if experts is None else len(experts))
     return state_dict, has_mtp
 
 

@@ -133,14 +133,17 @@ def _put(out: dict, name: str, t: torch.Tensor) -> None:
     out[name] = t
 
 
-def deepseek_to_model(sd, n_experts: int) -> dict[str, torch.Tensor]:
+def deepseek_to_model(sd, n_experts: int, experts: range | None = None) -> dict[str, torch.Tensor]:
     """Stack per-expert keys ``*.ffn.experts.{e}.wK.weight [..]`` into ``*.ffn.experts.wK [E, ..]``.
 
     ``sd`` is a dict or an iterable of (name, tensor) pairs (tensors are copied into one preallocated
     stack per weight as they arrive, so a lazy iterable never holds two copies of a layer's experts).
     Keys of experts ``e >= n_experts`` are kept unstacked (validation reports them as unexpected);
     already-stacked keys pass through. A missing expert or one of a different shape raises CheckpointError.
+    ``experts``: stack only these (an expert-parallel rank's share, [len(experts), ..]); keys of the other
+    routed experts are dropped.
     """
+    want = range(n_experts) if experts is None else experts
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, set[int]] = {}
     for name, t in _items(sd):
@@ -149,8 +152,10 @@ def deepseek_to_model(sd, n_experts: int) -> dict[str, torch.Tensor]:
             _put(out, name, t)
             continue
         stacked, e = split
+        if e not in want:
+            continue
         if stacked not in filled:
-            _put(out, stacked, torch.empty((n_experts, *t.shape), dtype=t.dtype, device=t.device))
+            _put(out, stacked, torch.empty((len(want), *t.shape), dtype=t.dtype, device=t.device))
             filled[stacked] = set()
         buf = out[stacked]  # [E, out, in]
         if tuple(t.shape) != tuple(buf.shape[1:]) or t.dtype != buf.dtype:
@@ -158,10 +163,10 @@ def deepseek_to_model(sd, n_experts: int) -> dict[str, torch.Tensor]:
                                   f" layer have {list(buf.shape[1:])} {buf.dtype}")
         if e in filled[stacked]:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
-        buf[e].copy_(t)
+        buf[e - want.start].copy_(t)
         filled[stacked].add(e)
     for stacked, have in filled.items():
-        missing = [expert_key(stacked, e) for e in range(n_experts) if e not in have]
+        missing = [expert_key(stacked, e) for e in want if e not in have]
         if missing:
             raise CheckpointError(f"missing tensor(s): {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -207,7 +212,12 @@ def model_to_hf(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _hf_items_to_deepseek(sd) -> Iterable[tuple[str, torch.Tensor]]:
+def is_fused_hf_expert(name: str) -> bool:
+    """transformers' per-layer expert tensors ``mlp.experts.gate_up_proj`` / ``down_proj`` ([E, ...])."""
+    return bool(_HF_EXPERTS.match(name))
+
+
+def hf_items_to_deepseek(sd) -> Iterable[tuple[str, torch.Tensor]]:
     for name, t in _items(sd):
         m = _HF_EXPERTS.match(name)
         if m is None:
@@ -226,7 +236,7 @@ def _hf_items_to_deepseek(sd) -> Iterable[tuple[str, torch.Tensor]]:
 
 def hf_to_model(sd, n_experts: int) -> dict[str, torch.Tensor]:
     """transformers naming (dict or iterable of pairs) -> model naming; ``mtp.*`` per-expert keys get stacked."""
-    return deepseek_to_model(_hf_items_to_deepseek(sd), n_experts)
+    return deepseek_to_model(hf_items_to_deepseek(sd), n_experts)
 
 
 def deepseek_to_hf(sd, n_experts: int) -> dict[str, torch.Tensor]:

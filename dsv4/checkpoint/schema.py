@@ -146,13 +146,16 @@ def _describe(name: str) -> str:
     return repr(name)
 
 
-def validate_state_dict(state_dict, cfg: ModelConfig, with_mtp: bool) -> None:
+def validate_state_dict(state_dict, cfg: ModelConfig, with_mtp: bool, num_experts: int | None = None) -> None:
     """Compare a model-named state-dict with ``checkpoint_schema(cfg, with_mtp)``.
 
     Raises CheckpointError listing every missing, unexpected or mis-shaped tensor by name (with shapes),
-    and any ``tid2eid`` entry that is not an expert id.
+    and any ``tid2eid`` entry that is not an expert id. ``num_experts``: the stacked routed-expert tensors
+    hold only that many experts (an expert-parallel rank's share).
     """
     want = checkpoint_schema(cfg, with_mtp)
+    if num_experts is not None:
+        want = {k: ((num_experts,) + v[1:] if re.search(r"\.ffn\.experts\.w[123]$", k) else v) for k, v in want.items()}
     problems = []
     for name in sorted(set(want) - set(state_dict)):
         problems.append(f"missing tensor {_describe(name)} of shape {list(want[name])}")

@@ -8,6 +8,7 @@ import torch
 
 from ..checkpoint.init_random import random_state_dict
 from ..checkpoint.io import read_state_dict
+from ..checkpoint.names import is_stacked_expert
 from ..config import ModelConfig, get_preset, is_preset, load_config
 from .model import DeepseekV4
 
@@ -39,18 +40,25 @@ def model_config(checkpoint_dir: str) -> ModelConfig:
 
 
 def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
-               with_mtp: bool | None = None, seed: int = 0) -> tuple[ModelConfig, dict, bool]:
-    """(config, full state dict, has_mtp) as ``load_model`` reads them (a multi-device rank slices its share)."""
+               with_mtp: bool | None = None, seed: int = 0,
+               experts: range | None = None) -> tuple[ModelConfig, dict, bool]:
+    """(config, state dict, has_mtp) as ``load_model`` reads them. ``experts``: only these routed experts
+    (stacked tensors [len(experts), ...]); an expert-parallel rank reads just its share of a checkpoint, and
+    slices the rest of its share from what it read (``dsv4.parallel.shard``)."""
     if os.path.isdir(checkpoint_dir):
         cfg = load_config(checkpoint_dir)
-        sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp)
+        sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp,
+                                      experts=experts)
     elif is_preset(checkpoint_dir):
         cfg = get_preset(checkpoint_dir)
         has_mtp = cfg.has_mtp if with_mtp is None else with_mtp
-        # big presets draw on the GPU when the model goes there (seconds instead of minutes)
+        # big presets draw on the GPU when the model goes there (seconds instead of minutes); every expert is
+        # drawn (the same weights as one process), then the share is kept
         sd = random_state_dict(cfg, seed=seed, dtype=dtype, device=device if str(device).startswith("cuda") else "cpu")
         if not has_mtp:
             sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+        if experts is not None:
+            sd = {k: (v[experts.start:experts.stop].clone() if is_stacked_expert(k) else v) for k, v in sd.items()}
     else:
         raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
     return cfg, sd, has_mtp

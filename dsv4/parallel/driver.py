@@ -21,12 +21,12 @@ from ..cache.storage import CacheStorage
 from ..engine.engine import LLMEngine
 from ..engine.graphs import build_graphs
 from ..engine.scheduler import Scheduler
-from ..model.loader import load_state
+from ..model.loader import load_state, model_config
 from .comm import RankGroup
 from .executor import DistributedRunner, LaneRunner, StopMsg, follow
 from .lanes import DataParallelScheduler, LaneCaches
 from .mapping import ParallelMapping
-from .shard import build_shard
+from .shard import build_shard, rank_experts
 
 log = logging.getLogger("dsv4")
 
@@ -63,10 +63,11 @@ def start_group(mapping: ParallelMapping, device: str) -> RankGroup:
 
 
 def load_rank_model(model: str, group: RankGroup, mapping: ParallelMapping, dtype, with_mtp, seed):
-    """(config, this rank's model shard)."""
+    """(config, this rank's model shard). Only the rank's routed experts are read from a checkpoint."""
     device = group.device_of_rank()
-    cfg, sd, has_mtp = load_state(model, device, dtype, with_mtp, seed)
-    return cfg, build_shard(cfg, sd, has_mtp, mapping.with_rank(group.rank), group.collectives, device)
+    m = mapping.with_rank(group.rank)
+    cfg, sd, has_mtp = load_state(model, device, dtype, with_mtp, seed, experts=rank_experts(model_config(model), m))
+    return cfg, build_shard(cfg, sd, has_mtp, m, group.collectives, device)
 
 
 def _maybe_fail(rank: int, where: str, count: int) -> None:

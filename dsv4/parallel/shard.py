@@ -38,12 +38,27 @@ def _share(n: int, parts: int, index: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
+def rank_experts(cfg: ModelConfig, m: ParallelMapping) -> range:
+    """The routed experts rank ``m.rank`` holds (global ids)."""
+    s = _share(cfg.n_routed_experts, m.ep, m.ep_rank)
+    return range(s.start, s.stop)
+
+
+def _expert_rows(x: torch.Tensor, cfg: ModelConfig, m: ParallelMapping) -> slice:
+    """Rows of this rank's experts in ``x``: every expert ([E, ...]) or this rank's already ([E / ep, ...],
+    fewer rows than E whenever ep > 1)."""
+    if x.shape[0] == cfg.n_routed_experts:
+        return _share(cfg.n_routed_experts, m.ep, m.ep_rank)
+    return slice(0, x.shape[0])
+
+
 def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelMapping) -> dict[str, torch.Tensor]:
-    """This rank's tensors (copies of the slices, so the full tensors can be freed)."""
+    """This rank's tensors (copies of the slices, so the full tensors can be freed). The routed experts may
+    come with every expert ([E, ...]) or, as ``load_state(..., experts=rank_experts(...))`` reads them, with
+    this rank's only ([E / ep, ...])."""
     H, D, g, o = cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
     t, tr = m.attn_tp, (m.rank if m.attn_tp > 1 else 0)
     heads = _share(H, t, tr)
-    experts = _share(cfg.n_routed_experts, m.ep, m.ep_rank)
     inter = _share(cfg.moe_inter_dim, m.moe_tp, m.moe_tp_rank)
     out = {}
     for name, x in sd.items():
@@ -56,9 +71,9 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelM
         elif t > 1 and _WO_B.match(name):  # [d, g*o]: input columns follow the groups
             x = x[:, _share(g, t, tr).start * o:_share(g, t, tr).stop * o]
         elif _W13.match(name):  # [E, I, d]
-            x = x[experts, inter]
+            x = x[_expert_rows(x, cfg, m), inter]
         elif _W2.match(name):  # [E, d, I]
-            x = x[experts, :, inter]
+            x = x[_expert_rows(x, cfg, m), :, inter]
         else:
             out[name] = x
             continue
