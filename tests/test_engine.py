@@ -193,3 +193,33 @@ def test_abort_frees_everything_and_others_finish(tiny_dir):
     assert len(eng.requests[b].output_ids) == 10
     assert eng.cache.num_free_blocks == eng.cache.num_blocks and eng.cache.num_free_slots == eng.cache.num_slots
     eng.cache.check_integrity()
+
+
+def test_request_token_views_equal_the_full_sequence():
+    """token_at / token_range (what the per-step paths use instead of building prompt + outputs each step)."""
+    from dsv4.engine.request import Request
+
+    rng = random.Random(0)
+    for _ in range(200):
+        r = Request("x", [rng.randrange(9) for _ in range(rng.randrange(1, 10))], SamplingParams(max_tokens=50))
+        r.output_ids = [rng.randrange(9) for _ in range(rng.randrange(0, 10))]
+        full = r.tokens
+        assert [r.token_at(p) for p in range(len(full))] == full
+        assert all(r.token_range(a, b) == tuple(full[a:b]) for a in range(len(full) + 1)
+                   for b in range(a, len(full) + 1))
+
+
+def test_detokenize_false_gives_ids_only(tiny_dir, tmp_path):
+    import shutil
+
+    from dsv4.checkpoint.tokenizer import write_byte_tokenizer
+
+    d = tmp_path / "tok"
+    shutil.copytree(tiny_dir, d)
+    write_byte_tokenizer(str(d), 256)
+    llm = _llm(str(d), warmup=False)
+    with_text, ids_only = llm.generate([[4, 5, 6], [4, 5, 6]], [SamplingParams(max_tokens=4),
+                                                                SamplingParams(max_tokens=4, detokenize=False)])
+    assert with_text.outputs[0].token_ids == ids_only.outputs[0].token_ids
+    assert with_text.outputs[0].text == llm.tokenizer.decode(with_text.outputs[0].token_ids)
+    assert ids_only.outputs[0].text is None

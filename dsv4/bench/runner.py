@@ -92,7 +92,7 @@ def _drive(engine, reqs: list[DatasetRequest], records: list[RequestRecord] | No
             i = pending.popleft()
             r = reqs[i]
             rec = records[i] if records is not None else None
-            sp = SamplingParams(max_tokens=r.output_tokens, ignore_eos=True)
+            sp = SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, detokenize=False)  # ids are counted
             now = time.perf_counter()
             try:
                 rid = engine.add_request(r.input_ids, sp, request_id=f"{prefix}{i}", prompt=r.prompt)

@@ -189,7 +189,7 @@ class LLMEngine:
         return out
 
     def _output(self, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None and req.params.detokenize else None
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_ids), prompt=req.prompt,
             outputs=[CompletionOutput(0, list(req.output_ids), text, req.finish_reason)],

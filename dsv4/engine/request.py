@@ -47,7 +47,21 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt + outputs as one new list (O(length): the per-step paths use ``token_at`` / ``token_range``)."""
         return self.prompt_ids + self.output_ids
+
+    def token_at(self, p: int) -> int:
+        P = len(self.prompt_ids)
+        return self.prompt_ids[p] if p < P else self.output_ids[p - P]
+
+    def token_range(self, start: int, stop: int) -> tuple[int, ...]:
+        """tokens[start:stop] without building the whole sequence."""
+        P = len(self.prompt_ids)
+        if stop <= P:
+            return tuple(self.prompt_ids[start:stop])
+        if start >= P:
+            return tuple(self.output_ids[start - P:stop - P])
+        return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[:stop - P])
 
     @property
     def num_tokens(self) -> int:

@@ -53,10 +53,11 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
     this step's emission (rows past the accepted ones get 0: their writes are rolled back)."""
     next_ids, picks, start = [], [], 0
     for b, s in enumerate(seqs):
-        toks, C = s.request.tokens, num_computed[b]
+        req, C = s.request, num_computed[b]
+        L = req.num_tokens
         for i in range(s.num_new):
             p = C + i
-            next_ids.append(toks[p + 1] if p + 1 < len(toks) else 0)
+            next_ids.append(req.token_at(p + 1) if p + 1 < L else 0)
         picks.append(start + num_accepted[b] - 1)
         start += s.num_new
     return DraftInputs(tuple(next_ids), tuple(picks), tuple(C + a for C, a in zip(num_computed, num_accepted)),

@@ -14,6 +14,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    detokenize: bool = True  # False: outputs carry token ids only (text None), as vLLM's flag
 
     def __post_init__(self):
         if self.max_tokens < 1:

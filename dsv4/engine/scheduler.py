@@ -68,14 +68,14 @@ class Scheduler:
     def _plan_tokens(self, req: Request, budget: int) -> ScheduledSeq | None:
         C, L = req.num_computed, req.num_tokens
         if C == L - 1:  # decode, verifying any pending drafts
-            ids = (req.tokens[C],) + tuple(req.drafts)
+            ids = (req.token_at(C),) + tuple(req.drafts)
             if len(ids) > budget:
                 return None
             return ScheduledSeq(req, ids, True, tuple(req.drafts))
         n = min(L - C, budget)
         if n <= 0:
             return None
-        return ScheduledSeq(req, tuple(req.tokens[C:C + n]), C + n == L, ())
+        return ScheduledSeq(req, req.token_range(C, C + n), C + n == L, ())
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
