@@ -237,13 +237,17 @@ class LLM:
         return results
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput (cumulative tokens) each time a request gets new tokens or finishes."""
+        """Yield a RequestOutput (cumulative tokens) each time a request gets new tokens or finishes. A
+        finished request leaves the engine's table once its last output is yielded (as in ``generate``)."""
         handles = self._submit(prompts, sampling_params)
         for rid, err in handles:
             if err is not None:
                 yield err
         while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+            for out in self.engine.step():
+                if out.finished:
+                    self.engine.requests.pop(out.request_id, None)
+                yield out
 
     def get_stats(self) -> dict:
         stats = self.engine.get_stats()

@@ -178,6 +178,7 @@ def test_streaming_yields_growing_outputs(tiny_dir):
     llm = _llm(tiny_dir, warmup=False)
     seen = [o.outputs[0].token_ids for o in llm.generate_stream([[4, 5, 6]], SamplingParams(max_tokens=5))]
     assert [len(s) for s in seen] == [1, 2, 3, 4, 5]
+    assert not llm.engine.requests  # finished requests do not pile up in a long-running stream
 
 
 def test_abort_frees_everything_and_others_finish(tiny_dir):
