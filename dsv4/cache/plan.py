@@ -175,22 +175,12 @@ def entries_for(layout: CacheLayout, ratio: int, max_entries: int) -> int:
     return max(1, max_entries * r0 // ratio) if ratio != r0 else max_entries
 
 
-class _Pack:
-    """Host int64 vectors gathered into one buffer, moved to the device with one copy, read back as views."""
-
-    def __init__(self):
-        self.parts: list[np.ndarray] = []
-
-    def add(self, x) -> int:
-        self.parts.append(np.asarray(x, dtype=np.int64).reshape(-1))
-        return len(self.parts) - 1
-
-    def to(self, device) -> list[torch.Tensor]:
-        sizes = [p.size for p in self.parts]
-        flat = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64))
-        if torch.device(device).type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        return list(torch.split(flat, sizes))
+def _to_device(parts: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    """Named host int64 vectors, moved to ``device`` as one buffer in one copy, returned as views by name."""
+    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts.values()]))
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return dict(zip(parts, torch.split(flat, [p.size for p in parts.values()])))
 
 
 def _pad(x: np.ndarray, rows: int) -> np.ndarray:
@@ -247,12 +237,9 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         # and skipping them keeps each scatter free of duplicate targets.
         return np.where(off >= n_tok - cap, slot_b[seq] * cap + pos % cap, 0)
 
-    pk = _Pack()
-    i_C, i_qs, i_slot, i_dl, i_bt, i_last = (pk.add(x) for x in (C, qs, slot_b, dl, bt, last_tok))
-    i_pos, i_seq = pk.add(_pad(pos, Np)), pk.add(_pad(seq, Np))
-    i_real = pk.add(np.arange(Np) < N)
-    i_swa_write = pk.add(_pad(ring_write(S), Np))
-    host_r = {}
+    host = dict(C=C, qs=qs, slot=slot_b, draft_lens=dl, bt=bt, last=last_tok, pos=_pad(pos, Np), seq=_pad(seq, Np),
+                real=(np.arange(Np) < N).astype(np.int64), swa_write=_pad(ring_write(S), Np))
+    sizes = {}  # ratio -> (M, E)
     for r in layout.ratios:
         cap, epb = layout.state_cap(r), layout.entries_per_block(r)
         # windows closed in this step: w with (w+1)*r - 1 in [C, C+n-1]  <=>  C//r <= w < (C+n)//r
@@ -273,18 +260,20 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
             if E < max_count:
                 raise ValueError(f"max_entries={max_entries} gives ratio-{r} tables {E} entries but a token of"
                                  f" this step sees {max_count}; size max_entries for max_seq_len // min(ratio)")
-        host_r[r] = dict(
-            M=M, Mp=Mp, E=E,
-            i=[pk.add(_pad(x, Mp)) for x in (win_seq, w, qs[win_seq] + (w + 1) * r - 1 - C[win_seq], w * r,
-                                             bt[win_seq, w // epb] * epb + w % epb, np.ones(M, np.int64),
-                                             C[win_seq], qs[win_seq], slot_b[win_seq])]
-            + [pk.add(_pad(ring_write(cap), Np)), pk.add(_pad(count, Np))])
-    v = pk.to(device)
+        sizes[r] = M, E
+        per_window = dict(win_seq=win_seq, win_index=w, win_token=qs[win_seq] + (w + 1) * r - 1 - C[win_seq],
+                          win_pos=w * r, win_write=bt[win_seq, w // epb] * epb + w % epb,
+                          win_active=np.ones(M, np.int64), win_C=C[win_seq], win_qs=qs[win_seq],
+                          win_slot=slot_b[win_seq])
+        host.update({(r, k): _pad(x, Mp) for k, x in per_window.items()})
+        host[r, "state_write"] = _pad(ring_write(cap), Np)
+        host[r, "entry_count"] = _pad(count, Np)
+    v = _to_device(host, device)
 
     # ---- device: the 2-D tables ------------------------------------------------------------------------------
-    dev = v[i_C].device
-    C_d, qs_d, slot_d, bt_d = v[i_C], v[i_qs], v[i_slot], v[i_bt].view(Bp, nb)
-    pos_d, seq_d, real_d = v[i_pos], v[i_seq], v[i_real].bool()
+    dev = v["C"].device
+    C_d, qs_d, slot_d, bt_d = v["C"], v["qs"], v["slot"], v["bt"].view(Bp, nb)
+    pos_d, seq_d, real_d = v["pos"], v["seq"], v["real"].bool()
     C_t, qs_t = C_d[seq_d], qs_d[seq_d]  # padded tokens: row 0's values, masked by real_d below
 
     # SWA: key i of the query at t is position t - W + 1 + i; combined index: ring rows, then step rows
@@ -298,33 +287,34 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
     tables = {}
     for r in layout.ratios:
         coff, cap, epb = layout.coff(r), layout.state_cap(r), layout.entries_per_block(r)
-        h = host_r[r]
-        win_seq, w, win_token, win_pos, win_write, active, Cw, qsw, slot_w, state_write, count = (v[i] for i in h["i"])
-        active = active.bool()
+        M, E = sizes[r]
+        w, Cw, qsw, count = v[r, "win_index"], v[r, "win_C"], v[r, "win_qs"], v[r, "entry_count"]
+        active = v[r, "win_active"].bool()
         state_base = (num_slots + 1) * cap
         # columns: positions (w - coff + 1)*r .. (w+1)*r - 1; for CSA the first r are the previous window
         # (the model takes their A-halves) and the last r this window (B-halves)
         q = (w - coff + 1)[:, None] * r + torch.arange(coff * r, dtype=_I64, device=dev)[None, :]  # [Mp, coff*r]
         win_valid = (q >= 0) & active[:, None]
         rows = torch.where(q >= Cw[:, None], state_base + qsw[:, None] + q - Cw[:, None],
-                           slot_w[:, None] * cap + q.clamp(min=0) % cap)
-        we = torch.arange(h["E"], dtype=_I64, device=dev)
+                           v[r, "win_slot"][:, None] * cap + q.clamp(min=0) % cap)
+        we = torch.arange(E, dtype=_I64, device=dev)
         entry_valid = we[None, :] < count[:, None]
         blk = bt_d[seq_d[:, None], (we // epb).clamp(max=nb - 1)[None, :]]
         tables[r] = RatioTables(
-            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base, state_write=state_write,
-            num_windows=h["M"], win_token=win_token, win_seq=win_seq, win_index=w, win_pos=win_pos,
-            win_write=win_write, win_active=active, win_rows=torch.where(win_valid, rows, 0), win_valid=win_valid,
+            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base, state_write=v[r, "state_write"],
+            num_windows=M, win_token=v[r, "win_token"], win_seq=v[r, "win_seq"], win_index=w,
+            win_pos=v[r, "win_pos"], win_write=v[r, "win_write"], win_active=active,
+            win_rows=torch.where(win_valid, rows, 0), win_valid=win_valid,
             entry_count=count, entry_rows=torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0),
             entry_valid=entry_valid,
         )
 
-    draft = DraftTables(slots=slot_d, draft_lens=v[i_dl], max_draft_len=max(list(draft_lens) + [0]),
+    draft = DraftTables(slots=slot_d, draft_lens=v["draft_lens"], max_draft_len=max(list(draft_lens) + [0]),
                         window=W, swa_cap=S, swa_step_base=swa_base)
     return StepPlan(
         owner=owner, step_id=step_id, req_ids=tuple(req_ids), num_computed=tuple(num_computed),
         num_new=tuple(num_new), draft_lens=tuple(draft_lens), num_tokens=N, num_seqs=B,
         positions=pos_d, token_seq=seq_d, query_start=qs_d, computed_lens=C_d, slots=slot_d, block_table=bt_d,
-        last_token_index=v[i_last], swa_step_base=swa_base, swa_read=swa_read, swa_valid=swa_valid,
-        swa_write=v[i_swa_write], ratio_tables=MappingProxyType(tables), draft=draft,
+        last_token_index=v["last"], swa_step_base=swa_base, swa_read=swa_read, swa_valid=swa_valid,
+        swa_write=v["swa_write"], ratio_tables=MappingProxyType(tables), draft=draft,
     )

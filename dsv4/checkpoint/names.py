@@ -138,22 +138,20 @@ def deepseek_to_model(sd, n_experts: int, experts: range | None = None) -> dict[
 
     ``sd`` is a dict or an iterable of (name, tensor) pairs (tensors are copied into one preallocated
     stack per weight as they arrive, so a lazy iterable never holds two copies of a layer's experts).
-    Keys of experts ``e >= n_experts`` are kept unstacked (validation reports them as unexpected);
-    already-stacked keys pass through. A missing expert or one of a different shape raises CheckpointError.
-    ``experts``: stack only these (an expert-parallel rank's share, [len(experts), ..]); keys of the other
-    routed experts are dropped.
+    ``experts``: stack only these (an expert-parallel rank's share, [len(experts), ..]; default all).
+    Keys of other experts are kept unstacked (validation reports them as unexpected; ``read_state_dict``
+    never reads them); already-stacked keys pass through. A missing expert or one of a different shape
+    raises CheckpointError.
     """
     want = range(n_experts) if experts is None else experts
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, set[int]] = {}
     for name, t in _items(sd):
         split = split_expert_key(name)
-        if split is None or split[1] >= n_experts:
+        if split is None or split[1] not in want:
             _put(out, name, t)
             continue
         stacked, e = split
-        if e not in want:
-            continue
         if stacked not in filled:
             _put(out, stacked, torch.empty((len(want), *t.shape), dtype=t.dtype, device=t.device))
             filled[stacked] = set()

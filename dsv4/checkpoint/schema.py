@@ -139,8 +139,11 @@ def tensor_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------
 # validation
 # ------------------------------------------------------------------------------------------------
+_STACKED_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # a model-named stacked routed-expert tensor
+
+
 def _describe(name: str) -> str:
-    if re.search(r"\.ffn\.experts\.w[123]$", name):  # say which file keys a stacked tensor came from
+    if _STACKED_EXPERTS.search(name):  # say which file keys a stacked tensor came from
         prefix, w = name.rsplit(".", 1)
         return f"{name!r} (file keys {prefix}.{{e}}.{w}.weight)"
     return repr(name)
@@ -155,7 +158,7 @@ def validate_state_dict(state_dict, cfg: ModelConfig, with_mtp: bool, num_expert
     """
     want = checkpoint_schema(cfg, with_mtp)
     if num_experts is not None:
-        want = {k: ((num_experts,) + v[1:] if re.search(r"\.ffn\.experts\.w[123]$", k) else v) for k, v in want.items()}
+        want = {k: ((num_experts,) + v[1:] if _STACKED_EXPERTS.search(k) else v) for k, v in want.items()}
     problems = []
     for name in sorted(set(want) - set(state_dict)):
         problems.append(f"missing tensor {_describe(name)} of shape {list(want[name])}")

@@ -176,7 +176,7 @@ class LLMEngine:
                       keep: dict) -> list[int]:
         """Draft tokens of batch rows ``rows`` from their MTP logits [len(rows), V]: greedy rows take the
         argmax (one sync for all of them), sampled rows draw from q and keep it for verification."""
-        greedy = self._greedy_ids([logits if any(seqs[b].request.params.greedy for b in rows) else None])[0]
+        greedy = logits.argmax(-1).tolist() if any(seqs[b].request.params.greedy for b in rows) else None
         out = []
         for i, b in enumerate(rows):
             req = seqs[b].request

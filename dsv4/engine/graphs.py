@@ -214,7 +214,6 @@ class GraphRunner:
             bk.draft_out[j] = out
         return bk.draft_out[j]
 
-
     def release(self) -> None:
         """Destroy the captured graphs and their pool (before the NCCL groups go, see RankGroup.on_destroy).
         No plan matches a bucket afterwards (steps would run eagerly); buckets and counts stay for reports."""

@@ -194,7 +194,7 @@ class ModelRunner:
     @torch.no_grad()
     def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, num_accepted: list[int],
                 drafting: list[bool], draft_len: int,
-                choose: Callable[[int, int, torch.Tensor], int]) -> list[list[int]]:
+                choose: Callable[[list[int], int, torch.Tensor], list[int]]) -> list[list[int]]:
         """MTP drafts for every seq with ``drafting`` set. ``choose(seq_indices, step, logits [A, V]) -> tokens``
         turns the MTP logits of those seqs into draft tokens (argmax, or samples whose q the caller keeps)."""
         inp = draft_inputs(seqs, plan.num_computed, num_accepted, drafting)
