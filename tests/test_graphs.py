@@ -27,9 +27,13 @@ def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k):
     llm = LLM("tiny", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]}, **kw)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and not graphs.capture
+    replayed, target = [], graphs.target
+    graphs.target = lambda plan, ids: (replayed.append(plan), target(plan, ids))[1]
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out == ref
     assert graphs.num_replays > 0  # 5 decoding requests padded to the 8 bucket
+    # the graph expands its own copy of the per-row vector: no graphed step built its plan's tables
+    assert replayed and not any("tables" in vars(p) for p in replayed)
 
 
 def test_without_padding_only_exact_buckets_replay(kernel_path_on_cpu):

@@ -321,8 +321,11 @@ def _any_plan(graphs):
     """The shape of a plan padded to the largest bucket."""
     from types import SimpleNamespace
 
+    from dsv4.cache.plan import padded_shape
+
     B, rows = max(graphs.buckets), graphs.rows
-    return SimpleNamespace(slots=torch.zeros(B), positions=torch.zeros(B * rows), num_new=[rows] * B)
+    shape = padded_shape(graphs.storage.layout, B, B * rows, graphs.max_blocks, graphs.max_entries)
+    return SimpleNamespace(shape=shape, num_new=[rows] * B)
 
 
 @pytest.mark.parametrize("first", [0, 4])

@@ -48,6 +48,7 @@ device from the accepted lengths, with nothing remembered between calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -68,7 +69,7 @@ class RatioTables:
     state_cap: int
     state_step_base: int        # rows of state[l] / index_state[l]: combined indices >= this are step rows
     state_write: torch.Tensor   # [N] state row of each token (only the last state_cap of a request), else 0
-    num_windows: int            # real M (windows closed in this step)
+    num_windows: int | None     # real M (windows closed in this step); None in a graph's tables
     win_token: torch.Tensor     # [M] step token index of the closing token
     win_seq: torch.Tensor       # [M] batch row
     win_index: torch.Tensor     # [M] window number w
@@ -132,12 +133,61 @@ class DraftTables:
         return SwaStepTables(positions=pos, swa_read=read, swa_valid=valid, swa_write=write, active=active)
 
 
+@dataclass(frozen=True)
+class PlanShape:
+    """The static shapes of a plan's tables: a CUDA graph bucket owns one, and a plan built with the
+    bucket's padding has exactly it (``GraphRunner.matches`` compares them)."""
+
+    batch: int                  # B: batch rows (padding included)
+    tokens: int                 # N: step tokens (padding included)
+    max_blocks: int             # columns of block_table
+    windows: tuple              # ((ratio, M), ...): closed-window rows per ratio
+    entries: tuple              # ((ratio, E), ...): entry-table columns per ratio
+
+    @property
+    def row_vector_size(self) -> int:
+        """Length of the flat per-row vector: C, n, slot, draft_len ([B] each), then block_table [B * max_blocks]."""
+        return self.batch * (4 + self.max_blocks)
+
+
+def padded_shape(layout: CacheLayout, batch: int, tokens: int, max_blocks: int, max_entries: int) -> PlanShape:
+    """The shape of a plan built with pad_batch_to=batch, pad_tokens_to=tokens, max_blocks, max_entries: a step
+    closes at most tokens // r + batch windows of ratio r."""
+    return PlanShape(batch, tokens, max_blocks, tuple((r, tokens // r + batch) for r in layout.ratios),
+                     tuple((r, entries_for(layout, r, max_entries)) for r in layout.ratios))
+
+
+@dataclass(frozen=True, eq=False)
+class PlanTables:
+    """Every device table of a step, expanded from its per-row vector by ``expand_rows``."""
+
+    positions: torch.Tensor     # [N] (pad 0)
+    token_seq: torch.Tensor     # [N] batch row of each token (pad 0)
+    query_start: torch.Tensor   # [B+1] cumsum of num_new, padded rows have no tokens
+    computed_lens: torch.Tensor  # [B] C per row (pad 0)
+    num_new: torch.Tensor       # [B] (pad 0)
+    slots: torch.Tensor         # [B] (pad 0 = null slot)
+    draft_lens: torch.Tensor    # [B] (pad 0)
+    block_table: torch.Tensor   # [B, max_blocks] (pad 0 = null block)
+    last_token_index: torch.Tensor  # [B] step index of each row's last new token (pad 0)
+    swa_read: torch.Tensor      # [N, W]
+    swa_valid: torch.Tensor     # [N, W] bool
+    swa_write: torch.Tensor     # [N]
+    ratio_tables: Mapping[int, RatioTables]
+
+
+def _table(name: str) -> property:
+    return property(lambda self: getattr(self.tables, name), doc=f"PlanTables.{name} (expanded on first use)")
+
+
 @dataclass(frozen=True, eq=False)
 class StepPlan:
     """Everything one step's forward reads; built only by ``KVCacheManager.begin_step`` (see module doc).
 
     Shapes: B = batch rows (padded to pad_batch_to), N = step tokens (padded to pad_tokens_to), W = window.
-    Host tuples describe the real (unpadded) requests.
+    Host tuples describe the real (unpadded) requests. The device tables (``positions``, ``swa_read``,
+    ``ratio_tables``, ...) are expanded from ``rows`` on first use: a step that replays a CUDA graph never
+    asks for them (the graph expands its own copy of ``rows``), so its host work is one vector and one copy.
     """
 
     owner: int                  # id of the manager that built it (commit_step refuses others' plans)
@@ -146,21 +196,38 @@ class StepPlan:
     num_computed: tuple
     num_new: tuple
     draft_lens: tuple
+    slot_ids: tuple             # per request
+    block_ids: tuple            # per request: its block table
     num_tokens: int             # real N
     num_seqs: int               # real B
-    positions: torch.Tensor     # [N] (pad 0)
-    token_seq: torch.Tensor     # [N] batch row of each token (pad 0)
-    query_start: torch.Tensor   # [B+1] cumsum of num_new, padded rows have no tokens
-    computed_lens: torch.Tensor  # [B] C per row (pad 0)
-    slots: torch.Tensor         # [B] (pad 0 = null slot)
-    block_table: torch.Tensor   # [B, max_blocks] (pad 0 = null block)
-    last_token_index: torch.Tensor  # [B] step index of each row's last new token (pad 0)
+    shape: PlanShape
+    num_windows: Mapping[int, int]  # real windows closed in this step, per ratio
+    layout: CacheLayout
+    num_slots: int
     swa_step_base: int          # (num_slots + 1) * swa_cap: combined SWA indices >= this are step rows
-    swa_read: torch.Tensor      # [N, W]
-    swa_valid: torch.Tensor     # [N, W] bool
-    swa_write: torch.Tensor     # [N]
-    ratio_tables: Mapping[int, RatioTables]
-    draft: DraftTables
+    rows: torch.Tensor          # the flat per-row vector (PlanShape.row_vector_size) on the plan's device
+
+    @cached_property
+    def tables(self) -> PlanTables:
+        return expand_rows(self.layout, self.shape, self.rows, self.num_slots, self.num_windows)
+
+    positions = _table("positions")
+    token_seq = _table("token_seq")
+    query_start = _table("query_start")
+    computed_lens = _table("computed_lens")
+    slots = _table("slots")
+    block_table = _table("block_table")
+    last_token_index = _table("last_token_index")
+    swa_read = _table("swa_read")
+    swa_valid = _table("swa_valid")
+    swa_write = _table("swa_write")
+    ratio_tables = _table("ratio_tables")
+
+    @property
+    def draft(self) -> DraftTables:
+        t = self.tables
+        return DraftTables(slots=t.slots, draft_lens=t.draft_lens, max_draft_len=max(self.draft_lens + (0,)),
+                           window=self.layout.window, swa_cap=self.layout.swa_cap, swa_step_base=self.swa_step_base)
 
     def check_current(self, manager) -> None:
         """Raise StalePlanError unless this is ``manager``'s active plan."""
@@ -175,17 +242,102 @@ def entries_for(layout: CacheLayout, ratio: int, max_entries: int) -> int:
     return max(1, max_entries * r0 // ratio) if ratio != r0 else max_entries
 
 
-def _to_device(parts: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
-    """Named host int64 vectors, moved to ``device`` as one buffer in one copy, returned as views by name."""
-    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts.values()]))
+def row_vector(shape: PlanShape, num_computed: Sequence[int], num_new: Sequence[int], slots: Sequence[int],
+               draft_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """The flat per-row vector of a step: [C | n | slot | draft_len | block_table], padded rows all 0."""
+    B, nb = shape.batch, shape.max_blocks
+    out = np.zeros(shape.row_vector_size, dtype=np.int64)
+    k = len(num_computed)
+    for i, col in enumerate((num_computed, num_new, slots, draft_lens)):
+        out[i * B:i * B + k] = col
+    bt = out[4 * B:].reshape(B, nb)
+    for b, blocks in enumerate(block_tables):
+        bt[b, :len(blocks)] = blocks
+    return out
+
+
+def expand_rows(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, num_slots: int,
+                num_windows: Mapping[int, int] | None = None) -> PlanTables:
+    """Every table of the step from its per-row vector, on the vector's device, with no host sync: the
+    shapes come from ``shape`` and every data-dependent quantity stays on the device, so a CUDA graph can
+    capture this. ``num_windows``: the real window counts, when the caller knows them (None in a graph).
+
+    Padded tokens, windows and rows are all-zero and invalid: they point at the null slot/block.
+    """
+    B, N, nb = shape.batch, shape.tokens, shape.max_blocks
+    if B < 1:
+        raise ValueError("a step plan needs at least one batch row (padding included)")
+    dev, W, S = rows.device, layout.window, layout.swa_cap
+    C, n, slot, dl = (rows[i * B:(i + 1) * B] for i in range(4))
+    bt = rows[4 * B:].view(B, nb)
+    ends = n.cumsum(0)
+    qs = torch.cat((ends.new_zeros(1), ends))
+    t = torch.arange(N, dtype=_I64, device=dev)
+    real = t < ends[-1]
+    # token t belongs to the first row whose end exceeds t (rows of zero tokens are skipped)
+    seq = torch.where(real, torch.searchsorted(ends, t, right=True).clamp(max=B - 1), 0)
+    off = t - qs[seq]                                                      # offset inside its request
+    pos = torch.where(real, C[seq] + off, 0)
+    n_tok, slot_t, C_t, qs_t = n[seq], slot[seq], C[seq], qs[seq]
+
+    def ring_write(cap):
+        # Only the last `cap` tokens of a request write: earlier ones would be overwritten in this very step,
+        # and skipping them keeps each scatter free of duplicate targets.
+        return torch.where(real & (off >= n_tok - cap), slot_t * cap + pos % cap, 0)
+
+    # SWA: key i of the query at t is position t - W + 1 + i; combined index: ring rows, then step rows
+    swa_base = (num_slots + 1) * S
+    kp = pos[:, None] - (W - 1) + torch.arange(W, dtype=_I64, device=dev)[None, :]       # [N, W]
+    swa_valid = (kp >= 0) & real[:, None]
+    ring = slot_t[:, None] * S + kp.clamp(min=0) % S
+    swa_read = torch.where(kp >= C_t[:, None], swa_base + qs_t[:, None] + kp - C_t[:, None], ring)
+    swa_read = torch.where(swa_valid, swa_read, 0)
+
+    tables = {}
+    windows, entries = dict(shape.windows), dict(shape.entries)
+    for r in layout.ratios:
+        coff, cap, epb = layout.coff(r), layout.state_cap(r), layout.entries_per_block(r)
+        M, E = windows[r], entries[r]
+        # windows closed in this step: w with (w+1)*r - 1 in [C, C+n-1]  <=>  C//r <= w < (C+n)//r, laid out
+        # request after request, then padding
+        first_w = C // r
+        counts = (C + n) // r - first_w
+        wend = counts.cumsum(0)
+        m = torch.arange(M, dtype=_I64, device=dev)
+        active = m < wend[-1]
+        ws = torch.where(active, torch.searchsorted(wend, m, right=True).clamp(max=B - 1), 0)
+        w = torch.where(active, first_w[ws] + m - (wend - counts)[ws], 0)
+        Cw, qsw = C[ws], qs[ws]
+        # columns: positions (w - coff + 1)*r .. (w+1)*r - 1; for CSA the first r are the previous window
+        # (the model takes their A-halves) and the last r this window (B-halves)
+        state_base = (num_slots + 1) * cap
+        q = (w - coff + 1)[:, None] * r + torch.arange(coff * r, dtype=_I64, device=dev)[None, :]  # [M, coff*r]
+        win_valid = (q >= 0) & active[:, None]
+        win_rows = torch.where(q >= Cw[:, None], state_base + qsw[:, None] + q - Cw[:, None],
+                               slot[ws][:, None] * cap + q.clamp(min=0) % cap)
+        count = torch.where(real, (pos + 1) // r, 0)                          # [N] visible entries
+        we = torch.arange(E, dtype=_I64, device=dev)
+        entry_valid = we[None, :] < count[:, None]
+        blk = bt[seq[:, None], (we // epb).clamp(max=nb - 1)[None, :]]
+        tables[r] = RatioTables(
+            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base, state_write=ring_write(cap),
+            num_windows=None if num_windows is None else num_windows[r],
+            win_token=torch.where(active, qsw + (w + 1) * r - 1 - Cw, 0), win_seq=ws, win_index=w, win_pos=w * r,
+            win_write=torch.where(active, bt[ws, w // epb] * epb + w % epb, 0), win_active=active,
+            win_rows=torch.where(win_valid, win_rows, 0), win_valid=win_valid, entry_count=count,
+            entry_rows=torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0), entry_valid=entry_valid,
+        )
+    return PlanTables(positions=pos, token_seq=seq, query_start=qs, computed_lens=C, num_new=n, slots=slot,
+                      draft_lens=dl, block_table=bt, last_token_index=torch.where(n > 0, ends - 1, 0),
+                      swa_read=swa_read, swa_valid=swa_valid, swa_write=ring_write(S),
+                      ratio_tables=MappingProxyType(tables))
+
+
+def _to_device(vector: np.ndarray, device) -> torch.Tensor:
+    """A host int64 vector on ``device`` in one copy (pinned and asynchronous to a GPU)."""
+    out = torch.from_numpy(vector)
     if torch.device(device).type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    return dict(zip(parts, torch.split(flat, [p.size for p in parts.values()])))
-
-
-def _pad(x: np.ndarray, rows: int) -> np.ndarray:
-    out = np.zeros(rows, dtype=np.int64)
-    out[:x.shape[0]] = x
+        out = out.pin_memory().to(device, non_blocking=True)
     return out
 
 
@@ -197,9 +349,9 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
     """Turn a validated batch (host ints) into a StepPlan. Pure: reads only its arguments.
 
     The manager validates requests; this checks only the padding arguments, which it alone interprets.
-    The per-token, per-window and per-request vectors are computed on the host (numpy), moved in one
-    copy, and the large 2-D tables (SWA reads [N, W], compressor windows [M, coff*r], entries [N, E]) are
-    built from them on ``device``: a decode step's host work does not grow with the context length.
+    The host work is the shapes and one flat per-row vector, moved in one copy; ``expand_rows`` turns it
+    into the tables on ``device`` when they are first read, so a decode step's host work does not grow with
+    the context length, and a graphed step's does not depend on the tables at all.
     """
     B, N = len(req_ids), int(sum(num_new))
     Bp = B if pad_batch_to is None else int(pad_batch_to)
@@ -214,45 +366,17 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         raise ValueError(f"max_blocks={max_blocks} < {need_blocks} blocks reserved by a request of the step")
     padded = pad_batch_to is not None or pad_tokens_to is not None
 
-    # ---- host: per request, per token, per closed window (1-D, small) ---------------------------------------
-    W, S = layout.window, layout.swa_cap
-    C = _pad(np.asarray(num_computed, dtype=np.int64), Bp)
-    n = _pad(np.asarray(num_new, dtype=np.int64), Bp)
-    slot_b = _pad(np.asarray(slots, dtype=np.int64), Bp)
-    dl = _pad(np.asarray(draft_lens, dtype=np.int64), Bp)
-    bt = np.zeros((Bp, nb), dtype=np.int64)
-    for b, blocks in enumerate(block_tables):
-        bt[b, :len(blocks)] = blocks
-    qs = np.zeros(Bp + 1, dtype=np.int64)
-    qs[1:] = np.cumsum(n)
-    seq = np.repeat(np.arange(Bp, dtype=np.int64), n)                     # [N] batch row per token
-    off = np.arange(N, dtype=np.int64) - qs[seq]                           # [N] offset inside its request
-    pos = C[seq] + off                                                     # [N] absolute position
-    n_tok = n[seq]
-    last_tok = np.zeros(Bp, dtype=np.int64)
-    last_tok[:B] = qs[1:B + 1] - 1
-
-    def ring_write(cap):
-        # Only the last `cap` tokens of a request write: earlier ones would be overwritten in this very step,
-        # and skipping them keeps each scatter free of duplicate targets.
-        return np.where(off >= n_tok - cap, slot_b[seq] * cap + pos % cap, 0)
-
-    host = dict(C=C, qs=qs, slot=slot_b, draft_lens=dl, bt=bt, last=last_tok, pos=_pad(pos, Np), seq=_pad(seq, Np),
-                real=(np.arange(Np) < N).astype(np.int64), swa_write=_pad(ring_write(S), Np))
-    sizes = {}  # ratio -> (M, E)
+    C = np.asarray(num_computed, dtype=np.int64)
+    n = np.asarray(num_new, dtype=np.int64)
+    end = int((C + n).max()) if B else 0                                   # one past the last position
+    windows, entries, real_windows = [], [], {}
     for r in layout.ratios:
-        cap, epb = layout.state_cap(r), layout.entries_per_block(r)
-        # windows closed in this step: w with (w+1)*r - 1 in [C, C+n-1]  <=>  C//r <= w < (C+n)//r
-        first_w = C // r
-        counts = (C + n) // r - first_w                                    # [Bp]
-        M = int(counts.sum())
+        M = int(((C + n) // r - C // r).sum())
+        real_windows[r] = M
         Mp = Np // r + Bp if padded else M
         assert M <= Mp, (M, Mp)
-        win_seq = np.repeat(np.arange(Bp, dtype=np.int64), counts)
-        start = np.cumsum(counts) - counts
-        w = first_w[win_seq] + np.arange(M, dtype=np.int64) - start[win_seq]  # [M]
-        count = (pos + 1) // r                                             # [N]
-        max_count = int(count.max()) if N else 0
+        windows.append((r, Mp))
+        max_count = end // r                                               # (p+1)//r of the last position
         if max_entries is None:
             E = max_count
         else:
@@ -260,61 +384,13 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
             if E < max_count:
                 raise ValueError(f"max_entries={max_entries} gives ratio-{r} tables {E} entries but a token of"
                                  f" this step sees {max_count}; size max_entries for max_seq_len // min(ratio)")
-        sizes[r] = M, E
-        per_window = dict(win_seq=win_seq, win_index=w, win_token=qs[win_seq] + (w + 1) * r - 1 - C[win_seq],
-                          win_pos=w * r, win_write=bt[win_seq, w // epb] * epb + w % epb,
-                          win_active=np.ones(M, np.int64), win_C=C[win_seq], win_qs=qs[win_seq],
-                          win_slot=slot_b[win_seq])
-        host.update({(r, k): _pad(x, Mp) for k, x in per_window.items()})
-        host[r, "state_write"] = _pad(ring_write(cap), Np)
-        host[r, "entry_count"] = _pad(count, Np)
-    v = _to_device(host, device)
-
-    # ---- device: the 2-D tables ------------------------------------------------------------------------------
-    dev = v["C"].device
-    C_d, qs_d, slot_d, bt_d = v["C"], v["qs"], v["slot"], v["bt"].view(Bp, nb)
-    pos_d, seq_d, real_d = v["pos"], v["seq"], v["real"].bool()
-    C_t, qs_t = C_d[seq_d], qs_d[seq_d]  # padded tokens: row 0's values, masked by real_d below
-
-    # SWA: key i of the query at t is position t - W + 1 + i; combined index: ring rows, then step rows
-    swa_base = (num_slots + 1) * S
-    kp = pos_d[:, None] - (W - 1) + torch.arange(W, dtype=_I64, device=dev)[None, :]      # [Np, W]
-    swa_valid = (kp >= 0) & real_d[:, None]
-    ring = slot_d[seq_d][:, None] * S + kp.clamp(min=0) % S
-    swa_read = torch.where(kp >= C_t[:, None], swa_base + qs_t[:, None] + kp - C_t[:, None], ring)
-    swa_read = torch.where(swa_valid, swa_read, 0)
-
-    tables = {}
-    for r in layout.ratios:
-        coff, cap, epb = layout.coff(r), layout.state_cap(r), layout.entries_per_block(r)
-        M, E = sizes[r]
-        w, Cw, qsw, count = v[r, "win_index"], v[r, "win_C"], v[r, "win_qs"], v[r, "entry_count"]
-        active = v[r, "win_active"].bool()
-        state_base = (num_slots + 1) * cap
-        # columns: positions (w - coff + 1)*r .. (w+1)*r - 1; for CSA the first r are the previous window
-        # (the model takes their A-halves) and the last r this window (B-halves)
-        q = (w - coff + 1)[:, None] * r + torch.arange(coff * r, dtype=_I64, device=dev)[None, :]  # [Mp, coff*r]
-        win_valid = (q >= 0) & active[:, None]
-        rows = torch.where(q >= Cw[:, None], state_base + qsw[:, None] + q - Cw[:, None],
-                           v[r, "win_slot"][:, None] * cap + q.clamp(min=0) % cap)
-        we = torch.arange(E, dtype=_I64, device=dev)
-        entry_valid = we[None, :] < count[:, None]
-        blk = bt_d[seq_d[:, None], (we // epb).clamp(max=nb - 1)[None, :]]
-        tables[r] = RatioTables(
-            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base, state_write=v[r, "state_write"],
-            num_windows=M, win_token=v[r, "win_token"], win_seq=v[r, "win_seq"], win_index=w,
-            win_pos=v[r, "win_pos"], win_write=v[r, "win_write"], win_active=active,
-            win_rows=torch.where(win_valid, rows, 0), win_valid=win_valid,
-            entry_count=count, entry_rows=torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0),
-            entry_valid=entry_valid,
-        )
-
-    draft = DraftTables(slots=slot_d, draft_lens=v["draft_lens"], max_draft_len=max(list(draft_lens) + [0]),
-                        window=W, swa_cap=S, swa_step_base=swa_base)
+        entries.append((r, E))
+    shape = PlanShape(Bp, Np, nb, tuple(windows), tuple(entries))
+    rows = row_vector(shape, num_computed, num_new, slots, draft_lens, block_tables)
     return StepPlan(
         owner=owner, step_id=step_id, req_ids=tuple(req_ids), num_computed=tuple(num_computed),
-        num_new=tuple(num_new), draft_lens=tuple(draft_lens), num_tokens=N, num_seqs=B,
-        positions=pos_d, token_seq=seq_d, query_start=qs_d, computed_lens=C_d, slots=slot_d, block_table=bt_d,
-        last_token_index=v["last"], swa_step_base=swa_base, swa_read=swa_read, swa_valid=swa_valid,
-        swa_write=v["swa_write"], ratio_tables=MappingProxyType(tables), draft=draft,
+        num_new=tuple(num_new), draft_lens=tuple(draft_lens), slot_ids=tuple(slots),
+        block_ids=tuple(tuple(b) for b in block_tables), num_tokens=N, num_seqs=B, shape=shape,
+        num_windows=MappingProxyType(real_windows), layout=layout, num_slots=num_slots,
+        swa_step_base=(num_slots + 1) * layout.swa_cap, rows=_to_device(rows, device),
     )

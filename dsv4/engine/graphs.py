@@ -1,29 +1,27 @@
 """CUDA graphs for decode and verify steps: one graph per padded batch size, rows per request fixed
 (1 without MTP, 1 + k with it).
 
-A graph replays fixed addresses, so each bucket owns static copies of every plan table the forward
-reads (sized for the bucket: N = B * rows tokens, M = N // r + B windows, E = max entries) and the
-forward is captured once on inert inputs (every row points at the cache's null slot/block, R3). A step
-whose plan was built with the bucket's padding copies its tables into the static ones and replays. Padded
-rows are inert: they write the null rows and read nothing valid. The captured forward must not
-synchronise with the host (MoE runs the device-side grouped path for this reason).
+A graph replays fixed addresses, so each bucket owns a static copy of the plan's per-row vector (C, n,
+slot, draft length, block table; ``PlanShape.row_vector_size`` ints) and the target graph expands it into
+every table the forward reads (``expand_rows``, captured with the forward): loading a step is one copy,
+and the host never builds the tables of a graphed step. The MTP catch-up and draft graphs read the tables
+the target graph of the same step expanded. The forward is captured once on inert inputs (every row has no
+tokens and points at the cache's null slot/block, R3); padded rows of a real step are inert the same way:
+they write the null rows and read nothing valid. The captured forward must not synchronise with the host
+(MoE runs the device-side grouped path for this reason).
 
-With ``capture=False`` (CPU, or tests) the same static buffers run eagerly: bucketing, padding and the
-static copies are exercised without a GPU.
+With ``capture=False`` (CPU, or tests) the same static buffers run eagerly: bucketing, padding, the
+static copy and the expansion are exercised without a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
-from ..cache.plan import DraftTables, entries_for
+from ..cache.plan import DraftTables, PlanShape, expand_rows, padded_shape
 from .cuda_backend import CudaBackend
-
-_RATIO_FIELDS = ("state_write", "win_rows", "win_valid", "win_pos", "win_write", "entry_rows", "entry_valid")
-_PLAN_FIELDS = ("positions", "swa_read", "swa_valid", "swa_write")
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -39,12 +37,14 @@ class _Bucket:
     batch: int
     ids: torch.Tensor
     next_ids: torch.Tensor
-    tables: SimpleNamespace  # static plan tables (same shapes as a padded plan's)
+    shape: PlanShape  # the static shapes (those of a plan built with the bucket's padding)
+    rows: torch.Tensor  # the static per-row vector
     new_lens: torch.Tensor  # [B] committed lengths after acceptance (draft steps)
     draft_ids: dict  # j -> [B] the token each request feeds draft step j
     target_out: tuple | None = None  # (streams [N, n, d], logits [N, V])
     mtp_out: tuple | None = None
     draft_out: dict = field(default_factory=dict)  # j -> (streams [B, n, d], logits [B, V])
+    tables: object = None  # PlanTables expanded by the target graph (read by the MTP graphs)
     draft_in: torch.Tensor | None = None  # [B, n, d] streams feeding draft step 2
     graphs: dict = field(default_factory=dict)
 
@@ -76,45 +76,28 @@ class GraphRunner:
 
     def matches(self, plan) -> bool:
         """Was this plan built with one of the buckets' padding?"""
-        B = plan.slots.shape[0]
-        return (B in self._b and plan.positions.shape[0] == B * self.rows
-                and all(n == self.rows for n in plan.num_new))
+        bk = self._b.get(plan.shape.batch)
+        return bk is not None and plan.shape == bk.shape and all(n == self.rows for n in plan.num_new)
 
     def padding(self, bucket: int) -> dict:
         return {"pad_batch_to": bucket, "pad_tokens_to": bucket * self.rows, "max_entries": self.max_entries,
                 "max_blocks": self.max_blocks}
 
     # ---- static buffers ------------------------------------------------------------------------------
-    def _static_tables(self, B: int) -> SimpleNamespace:
-        dev, lay = self.storage.device, self.storage.layout
-        N, W = B * self.rows, lay.window
-        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731 - null rows everywhere
-        f = lambda *s: torch.zeros(*s, dtype=torch.bool, device=dev)  # noqa: E731 - nothing valid
-        ratio = {}
-        for r in lay.ratios:
-            M, cr, E = N // r + B, lay.coff(r) * r, entries_for(lay, r, self.max_entries)
-            ratio[r] = SimpleNamespace(state_write=z(N), win_rows=z(M, cr), win_valid=f(M, cr), win_pos=z(M),
-                                       win_write=z(M), entry_rows=z(N, E), entry_valid=f(N, E))
-        swa_base = (self.storage.num_slots + 1) * lay.swa_cap
-        return SimpleNamespace(positions=z(N), swa_read=z(N, W), swa_valid=f(N, W), swa_write=z(N),
-                               swa_step_base=swa_base, ratio_tables=ratio, draft_slots=z(B), draft_lens=z(B))
+    def _shape(self, B: int) -> PlanShape:
+        return padded_shape(self.storage.layout, B, B * self.rows, self.max_blocks, self.max_entries)
 
-    def _backend(self, t: SimpleNamespace) -> CudaBackend:
+    @property
+    def _swa_base(self) -> int:
+        return (self.storage.num_slots + 1) * self.storage.layout.swa_cap
+
+    def _backend(self, t) -> CudaBackend:
         return CudaBackend(self.storage, t.positions, t.swa_read, t.swa_valid, t.swa_write, t.ratio_tables,
-                           swa_step_base=t.swa_step_base)
-
-    def _load(self, bk: _Bucket, plan):
-        t = bk.tables
-        for name in _PLAN_FIELDS:
-            getattr(t, name).copy_(getattr(plan, name))
-        for r, rt in t.ratio_tables.items():
-            src = plan.ratio_tables[r]
-            for name in _RATIO_FIELDS:
-                getattr(rt, name).copy_(getattr(src, name))
-        t.draft_slots.copy_(plan.draft.slots)
-        t.draft_lens.copy_(plan.draft.draft_lens)
+                           swa_step_base=self._swa_base)
 
     def _target(self, bk: _Bucket):
+        st = self.storage
+        bk.tables = expand_rows(st.layout, bk.shape, bk.rows, st.num_slots)
         X = self.model.streams(bk.ids, self._backend(bk.tables))
         return X, self.model.logits_from_streams(X)
 
@@ -125,12 +108,12 @@ class GraphRunner:
     def _draft(self, bk: _Bucket, j: int):
         """Draft step j >= 2: one token per request, tables computed on the device from the static inputs."""
         t, lay = bk.tables, self.storage.layout
-        tables = DraftTables(slots=t.draft_slots, draft_lens=t.draft_lens, max_draft_len=self.draft_len,
-                             window=lay.window, swa_cap=lay.swa_cap, swa_step_base=t.swa_step_base)
+        tables = DraftTables(slots=t.slots, draft_lens=t.draft_lens, max_draft_len=self.draft_len,
+                             window=lay.window, swa_cap=lay.swa_cap, swa_step_base=self._swa_base)
         st = tables.step_tables(j, bk.new_lens)
         X_in = bk.draft_in if j == 2 else bk.draft_out[j - 1][0]
         backend = CudaBackend(self.storage, st.positions, st.swa_read, st.swa_valid, st.swa_write,
-                              swa_step_base=t.swa_step_base)
+                              swa_step_base=self._swa_base)
         X = self.model.mtp_streams(X_in, bk.draft_ids[j], backend)
         return X, self.model.mtp_logits_from_streams(X)
 
@@ -149,7 +132,8 @@ class GraphRunner:
         for B in sorted(self.buckets, reverse=True):
             N = B * self.rows
             zl = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
-            bk = _Bucket(B, zl(N), zl(N), self._static_tables(B), zl(B),
+            shape = self._shape(B)
+            bk = _Bucket(B, zl(N), zl(N), shape, zl(shape.row_vector_size), zl(B),
                          {j: zl(B) for j in range(2, self.draft_len + 1)})
             bk.draft_in = torch.zeros(B, n, d, dtype=self.model.embed.weight.dtype, device=dev)
             self._b[B] = bk
@@ -182,8 +166,8 @@ class GraphRunner:
     @torch.no_grad()
     def target(self, plan, ids: torch.Tensor):
         """-> (streams [N, n, d], logits [N, V]) of every row of the padded step."""
-        bk = self._b[plan.slots.shape[0]]
-        self._load(bk, plan)
+        bk = self._b[plan.shape.batch]
+        bk.rows.copy_(plan.rows)
         bk.ids.copy_(ids)
         self.num_replays += 1
         out = self._run(bk, "target", lambda: self._target(bk))
@@ -194,7 +178,7 @@ class GraphRunner:
     @torch.no_grad()
     def mtp(self, plan, next_ids: torch.Tensor):
         """The MTP catch-up pass of the same step (tables already loaded by ``target``)."""
-        bk = self._b[plan.slots.shape[0]]
+        bk = self._b[plan.shape.batch]
         bk.next_ids.copy_(next_ids)
         out = self._run(bk, "mtp", lambda: self._mtp(bk))
         if out is not None:
@@ -204,7 +188,7 @@ class GraphRunner:
     @torch.no_grad()
     def draft(self, plan, j: int, new_lens: torch.Tensor, ids: torch.Tensor, X_in: torch.Tensor | None = None):
         """Draft step j of the same step: (streams [B, n, d], logits [B, V]). X_in feeds step 2."""
-        bk = self._b[plan.slots.shape[0]]
+        bk = self._b[plan.shape.batch]
         if j == 2:
             bk.new_lens.copy_(new_lens)
             bk.draft_in.copy_(X_in)

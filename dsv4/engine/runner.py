@@ -116,22 +116,23 @@ class ModelRunner:
     def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None). ``graphed``: replay the
         plan's CUDA graph bucket (or run its static buffers eagerly when not capturing)."""
-        ids = self._ids(list(token_ids), plan.positions.shape[0])
+        ids = self._ids(list(token_ids), plan.shape.tokens)
+        # before the forward: a host-to-device copy after a graph replay would wait for the replay to finish
+        idx = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device) if logit_rows else None
         if graphed:
             self._check_graphed(plan)
             X, all_logits = self.graphs.target(plan, ids)
         else:
             X = self.model.streams(ids, self._backend(plan))
         logits = None
-        if logit_rows:
-            idx = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
+        if idx is not None:
             logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
         return X, logits
 
     def _check_graphed(self, plan):
         if self.graphs is None or not self.graphs.matches(plan):
             raise RuntimeError(f"step {plan.step_id}: told to replay a CUDA graph but the plan (batch"
-                               f" {plan.slots.shape[0]}, {plan.positions.shape[0]} tokens) fits no bucket of"
+                               f" {plan.shape.batch}, {plan.shape.tokens} tokens) fits no bucket of"
                                f" {None if self.graphs is None else self.graphs.buckets}")
 
     @torch.no_grad()
@@ -142,7 +143,7 @@ class ModelRunner:
         logits [A, V]); they are the inputs of pass j+1. ``graphed``: the plan's CUDA graphs (the target pass
         of the same step replayed them too)."""
         model = self.model
-        next_ids = self._ids(list(inp.next_ids), plan.positions.shape[0])
+        next_ids = self._ids(list(inp.next_ids), plan.shape.tokens)
         if graphed:
             X_mtp, mtp_logits = self.graphs.mtp(plan, next_ids)
         else:
@@ -162,7 +163,7 @@ class ModelRunner:
             return lambda: model.mtp_logits_from_streams(Xs[idx])
 
         toks = pick(1, logits_of(X_mtp, mtp_logits if graphed else None, rows))
-        b_pad = plan.slots.shape[0]
+        b_pad = plan.shape.batch
         new_lens = torch.zeros(b_pad, dtype=torch.long)
         new_lens[:len(inp.new_lens)] = torch.tensor(inp.new_lens, dtype=torch.long)
         new_lens = new_lens.to(self.device)

@@ -88,10 +88,10 @@ def plan_args(plan: StepPlan, padding: dict | None = None) -> dict:
     begin_step padding the plan was built with (a graphed step's bucket padding: pad_batch_to, pad_tokens_to,
     max_entries, max_blocks), so the rank's tables have exactly the bucket's static shapes."""
     B, N = plan.num_seqs, plan.num_tokens
-    Np, Bp = plan.positions.shape[0], plan.slots.shape[0]
+    Np, Bp = plan.shape.tokens, plan.shape.batch
     args = dict(step_id=plan.step_id, req_ids=plan.req_ids, num_computed=plan.num_computed,
-                num_new=plan.num_new, draft_lens=plan.draft_lens, slots=tuple(plan.slots[:B].tolist()),
-                block_tables=[tuple(r) for r in plan.block_table[:B].tolist()],
+                num_new=plan.num_new, draft_lens=plan.draft_lens, slots=plan.slot_ids,
+                block_tables=[tuple(b) for b in plan.block_ids],
                 pad_tokens_to=Np if Np > N else None, pad_batch_to=Bp if Bp > B else None)
     args.update(padding or {})
     return args
@@ -195,7 +195,7 @@ class DistributedRunner(LaneRunner):
         plans, local, lane_idx = self._lanes(seqs, plan)
         self._step += 1
         graphed = self._graphed_step = self._step_graphed(plans, local)
-        padding = self.graphs.padding(local.slots.shape[0]) if graphed else None  # the bucket's static shapes
+        padding = self.graphs.padding(local.shape.batch) if graphed else None  # the bucket's static shapes
         works, counts = [], []
         for lane, idx in enumerate(lane_idx):
             ids, rows, cnt = target_inputs([seqs[i] for i in idx])
