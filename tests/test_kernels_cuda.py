@@ -92,6 +92,52 @@ def test_engine_on_cuda_equals_dense_reference(k):
     assert out == dense_greedy(llm.model, prompts, 16)
 
 
+@pytest.mark.parametrize("N, k, E", [(1, 6, 32), (32, 6, 32), (64, 6, 33), (5, 2, 8), (3, 6, 7), (4, 8, 256)])
+def test_align_kernel_equals_twin(N, k, E):
+    """dsv4.kernels.moe's one-program align (small batches on CUDA) against align_torch, exactly."""
+    from dsv4.kernels.moe import _align, align_torch
+
+    g = torch.Generator().manual_seed(N * E + k)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    ref = align_torch(ids, E)
+    _poison_allocator(8192, torch.float32)  # NaN bit patterns: an unwritten int64 differs
+    out = _align(ids.cuda(), E, 16)
+    for a, b in zip(out, ref):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("hashed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_kernels_match_twin(func, hashed, dtype):
+    """dsv4.kernels.gate (Gate.forward on CUDA) against the torch lines on the CPU: the same experts in the
+    same order, weights within fp32 rounding."""
+    import dataclasses
+
+    from dsv4.config import get_preset
+    from dsv4.model.moe import Gate
+
+    cfg = dataclasses.replace(get_preset("flash-L4-E32"), score_func=func)
+    torch.manual_seed(len(func) + hashed)
+    gate = Gate(cfg, hashed)
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.05)
+        if hashed:
+            gate.tid2eid.copy_(torch.rand(cfg.vocab_size, cfg.n_routed_experts).argsort(1)[:, :cfg.n_experts_per_tok])
+        else:
+            gate.bias.normal_(0, 0.1)
+    gate = gate.to(dtype)
+    if not hashed:
+        gate.bias.data = gate.bias.data.float()
+    x = torch.randn(33, cfg.hidden_size).to(dtype)
+    tok = torch.randint(0, cfg.vocab_size, (33,))
+    w_ref, ids_ref = gate(x, tok)
+    gate = gate.cuda()
+    _poison_allocator(33 * 64, torch.float32)
+    w, ids = gate(x.cuda(), tok.cuda())
+    assert torch.equal(ids.cpu(), ids_ref) and rel_err(w.cpu(), w_ref) < 1e-5
+
+
 def test_grouped_moe_matches_torch():
     from dsv4.kernels.moe import grouped_experts
 
@@ -174,28 +220,83 @@ def test_bf16_teacher_forced_logits_match_dense_reference():
     assert max(errs) < 3e-2, errs
 
 
-def test_hc_weights_kernel_matches_torch():
-    from dsv4.kernels import mhc as kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N, d", [(1, 4096), (37, 64), (5, 1000)])
+def test_mhc_kernels_match_twins(dtype, N, d):
+    """dsv4.kernels.mhc (hc_pre, hc_head, hc_post on CUDA) against the torch lines of model.mhc on the CPU."""
     from dsv4.model import mhc
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    N, n, d = 37, 4, 64
-    X = torch.randn(N, n, d, device="cuda", generator=g)
+    g = torch.Generator(device="cuda").manual_seed(N + d)
+    n = 4
+    X = torch.randn(N, n, d, device="cuda", generator=g).to(dtype)
     fn = torch.randn((2 + n) * n, n * d, device="cuda", generator=g) * 0.1
     base = torch.randn((2 + n) * n, device="cuda", generator=g)
     scale = torch.rand(3, device="cuda", generator=g) + 0.5
-    m = mhc._mix_logits(X, fn, 1e-6)
-    pre, post, comb = kernel.hc_weights(m, base, scale, n, 20, 1e-6)
-    # the torch twin: hc_pre with the kernel switched off
-    orig = kernel.usable
-    kernel.usable = lambda X: False
-    try:
-        u_ref, post_ref, comb_ref = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
-    finally:
-        kernel.usable = orig
-    u, post2, comb2 = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
-    assert rel_err(post, post_ref) < 1e-5 and rel_err(comb, comb_ref) < 1e-5
-    assert rel_err(u, u_ref) < 1e-5 and torch.equal(comb2, comb)
+    fh, bh = fn[:n] * 2, base[:n]
+    y = torch.randn(N, d, device="cuda", generator=g).to(dtype)
+    cpu = lambda *ts: [t.cpu() for t in ts]  # noqa: E731
+    u_ref, post_ref, comb_ref = mhc.hc_pre(*cpu(X, fn, base, scale), 20, 1e-6, 1e-6)
+    head_ref = mhc.hc_head(*cpu(X, fh, bh, scale[:1]), 1e-6, 1e-6)
+    out_ref = mhc.hc_post(*cpu(y, X, post_ref, comb_ref))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    _poison_allocator(N * n * d * 4, dtype)
+    u, post, comb = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
+    assert u.dtype == dtype and torch.isfinite(u).all() and torch.isfinite(comb).all()
+    assert rel_err(post.cpu(), post_ref) < 1e-5 and rel_err(comb.cpu(), comb_ref) < 1e-5  # fp32 weights
+    assert rel_err(u.cpu(), u_ref) < tol
+    _poison_allocator(N * n * d * 4, dtype)
+    head = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6)
+    assert torch.isfinite(head).all() and rel_err(head.cpu(), head_ref) < tol
+    _poison_allocator(N * n * d * 4, dtype)
+    out = mhc.hc_post(y, X, post_ref.cuda(), comb_ref.cuda())
+    assert out.dtype == dtype and torch.isfinite(out).all() and rel_err(out.cpu(), out_ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R, I, limit", [(6, 2048, 10.0), (130, 96, 0.0), (1, 7, 1.0)])
+def test_swiglu_kernel_matches_twin(dtype, R, I, limit):
+    """dsv4.kernels.swiglu (ops.swiglu_to on CUDA, here on a strided view) against the torch lines on the CPU."""
+    from dsv4.model.ops import swiglu_to
+
+    g = torch.Generator(device="cuda").manual_seed(R * I)
+    gate = (torch.randn(R, 2 * I, device="cuda", generator=g) * 4).to(dtype)[:, I:]
+    up = (torch.randn(R, I, device="cuda", generator=g) * 4).to(dtype)
+    w = torch.rand(R, device="cuda", generator=g)
+    for weight in (w, None):
+        ref = swiglu_to(gate.cpu(), up.cpu(), limit, None if weight is None else weight.cpu(), dtype)
+        _poison_allocator(R * I, dtype)
+        out = swiglu_to(gate, up, limit, weight, dtype)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        assert rel_err(out.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("ratio, coff, D, M", [(4, 2, 512, 37), (128, 1, 512, 3), (4, 2, 128, 1), (128, 1, 96, 0)])
+def test_pool_kernel_matches_twin(ratio, coff, D, M):
+    """dsv4.kernels.pool (CachedBackend._write_compressed on CUDA) against gather_combined + the halves +
+    pool_windows on the CPU; the first window has no valid slot (a padded window pools to zeros)."""
+    from dsv4.cache.ops import gather_combined
+    from dsv4.kernels.pool import pool_rows
+    from dsv4.model.ops import pool_windows
+
+    g = torch.Generator(device="cuda").manual_seed(ratio + M)
+    Rs, N = 700, 90
+    state = torch.randn(Rs, 2 * coff * D, device="cuda", generator=g)
+    step = torch.randn(N, 2 * coff * D, device="cuda", generator=g)
+    idx = torch.randint(0, Rs + N, (M, coff * ratio), device="cuda", generator=g)
+    valid = torch.rand(M, coff * ratio, device="cuda", generator=g) < 0.7
+    valid[:1] = False
+    idx = torch.where(valid, idx, 0)
+    rows = gather_combined(state.cpu(), step.cpu(), idx.cpu(), valid.cpu())
+    kv, sc = rows.chunk(2, dim=-1)
+    if coff == 2:
+        kv = torch.cat((kv[:, :ratio, :D], kv[:, ratio:, D:]), dim=1)
+        sc = torch.cat((sc[:, :ratio, :D], sc[:, ratio:, D:]), dim=1)
+    ref = pool_windows(kv, sc, valid.cpu())
+    _poison_allocator(max(M, 1) * D, torch.float32)
+    out = pool_rows(state, step, idx, valid, ratio, coff, D)
+    assert out.shape == (M, D) and torch.isfinite(out).all()
+    if M:
+        assert out[0].abs().max() == 0 and rel_err(out.cpu(), ref) < 1e-6
 
 
 def _poison_allocator(numel: int, dtype):

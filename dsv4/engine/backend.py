@@ -13,6 +13,7 @@ import torch
 
 from ..cache.ops import gather_combined
 from ..cache.storage import CacheStorage
+from ..kernels import pool as pool_kernel
 from ..model.attention import Compressor, attend_gathered
 
 
@@ -27,6 +28,7 @@ class CachedBackend:
                  swa_valid: torch.Tensor, swa_write: torch.Tensor, ratio_tables: dict | None = None):
         self.storage = storage
         self.positions = positions
+        self.rope_memo = {}
         self.swa_read, self.swa_valid, self.swa_write = swa_read, swa_valid, swa_write
         self.ratio_tables = ratio_tables or {}
 
@@ -71,9 +73,14 @@ class CachedBackend:
                                     " storage) from a plan of the same cache layout")
         state = st.state[layer_id] if name == "main" else st.index_state[layer_id]  # [rows, 2*coff*D'] fp32
         step_rows = torch.cat((kv, score), dim=-1)
-        rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
-        kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
-        entries = comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos)  # [M, D']
+        if pool_kernel.usable(state):  # one kernel reads the window rows in place; the lines below are its twin
+            pooled = pool_kernel.pool_rows(state, step_rows, t.win_rows, t.win_valid, comp.ratio, comp.coff,
+                                           comp.head_dim)
+            entries = comp.finish(pooled, t.win_pos)
+        else:
+            rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
+            kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
+            entries = comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos)  # [M, D']
         state[t.state_write] = step_rows
         if name == "main":
             st.write_entries(layer_id, t.win_write, entries)

@@ -1,6 +1,13 @@
-"""mHC mixing weights in one kernel: pre (sigmoid), post (2*sigmoid) and the Sinkhorn-normalised comb from
-the mixing logits, one program per token (about a hundred tiny ops in plain torch). The plain-torch twin is
-the body of ``dsv4.model.mhc.hc_pre``."""
+"""mHC in three kernels instead of about forty small ops per block: the stream collapse before a sub-block
+(``hc_pre``: RMS of the flattened streams, mixing logits, pre/post/Sinkhorn comb weights, weighted sum of
+the streams), the final collapse (``hc_head``) and the write-back after it (``hc_post``). The plain-torch
+twins are the CPU branches of ``dsv4.model.mhc``.
+
+The collapse runs in two launches. ``_mix_partials`` splits the n*d inputs of each token into chunks and
+writes, per chunk, its dot products with the mixing rows and its sum of squares; ``_collapse`` adds the
+chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
+the weighted sum over a slice of d. Each token's result depends on its own inputs only (batch-invariant).
+"""
 
 from __future__ import annotations
 
@@ -8,43 +15,117 @@ import torch
 
 from . import HAVE_TRITON
 
+BLOCK_K = 256  # inputs of one token per mixing-partial program
+BLOCK_D = 512  # channels per collapse / write-back program
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _hc_weights_kernel(M, stride_m, SCALE, BASE, PRE, POST, COMB, iters, eps, n: tl.constexpr):
-        t = tl.program_id(0)
+    def _mix_partials(X, stride_x, FN, P, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+        t, kb = tl.program_id(0), tl.program_id(1)
+        k = kb * BLOCK + tl.arange(0, BLOCK)
+        mk = k < K
+        x = tl.load(X + t * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+        r = tl.arange(0, RP)
+        w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0)
+        dots = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        out = tl.where(r == R, tl.sum(x * x, axis=0), dots)  # column R: the chunk's sum of squares
+        tl.store(P + (t * tl.num_programs(1) + kb) * (R + 1) + r, out, mask=r <= R)
+
+    @triton.jit
+    def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, U, eps, norm_eps, K, d, iters: tl.constexpr,
+                  n: tl.constexpr, KBP: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+        t, db = tl.program_id(0), tl.program_id(1)
+        R: tl.constexpr = n if HEAD else (2 + n) * n
         i = tl.arange(0, n)
-        row = M + t * stride_m
-        s0, s1, s2 = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
-        pre = tl.sigmoid(s0 * tl.load(row + i) + tl.load(BASE + i)) + eps
-        post = 2 * tl.sigmoid(s1 * tl.load(row + n + i) + tl.load(BASE + n + i))
-        jk = i[:, None] * n + i[None, :]  # [j, k]
-        c = s2 * tl.load(row + 2 * n + jk) + tl.load(BASE + 2 * n + jk)
-        c = tl.exp(c - tl.max(c, axis=1)[:, None])
-        c = c / tl.sum(c, axis=1)[:, None] + eps  # softmax over k, then + eps
-        c = c / (tl.sum(c, axis=0)[None, :] + eps)  # columns first
-        for _ in range(iters - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + eps)
-            c = c / (tl.sum(c, axis=0)[None, :] + eps)
-        tl.store(PRE + t * n + i, pre)
-        tl.store(POST + t * n + i, post)
-        tl.store(COMB + t * n * n + jk, c)
+        kb = tl.arange(0, KBP)
+        prow = P + (t * KB + kb) * (R + 1)
+        mkb = kb < KB
+        inv = 1.0 / tl.sqrt_rn(tl.sum(tl.load(prow + R, mask=mkb, other=0.0), axis=0) / K + norm_eps)
+        m_pre = tl.sum(tl.load(prow[:, None] + i[None, :], mask=mkb[:, None], other=0.0), axis=0) * inv
+        pre = tl.sigmoid(tl.load(SCALE) * m_pre + tl.load(BASE + i)) + eps
+        if not HEAD:
+            if db == 0:  # one program per token writes the write-back weights
+                m_post = tl.sum(tl.load(prow[:, None] + n + i[None, :], mask=mkb[:, None], other=0.0), axis=0)
+                post = 2 * tl.sigmoid(tl.load(SCALE + 1) * (m_post * inv) + tl.load(BASE + n + i))
+                jk = i[:, None] * n + i[None, :]  # [j, k]
+                m_c = tl.sum(tl.load(prow[:, None, None] + 2 * n + jk[None, :, :], mask=mkb[:, None, None],
+                                     other=0.0), axis=0) * inv
+                c = tl.load(SCALE + 2) * m_c + tl.load(BASE + 2 * n + jk)
+                c = tl.exp(c - tl.max(c, axis=1)[:, None])
+                c = c / tl.sum(c, axis=1)[:, None] + eps  # softmax over k, then + eps
+                c = c / (tl.sum(c, axis=0)[None, :] + eps)  # columns first
+                for _ in range(iters - 1):
+                    c = c / (tl.sum(c, axis=1)[:, None] + eps)
+                    c = c / (tl.sum(c, axis=0)[None, :] + eps)
+                tl.store(POST + t * n + i, post)
+                tl.store(COMB + t * n * n + jk, c)
+        c_ = db * BLOCK + tl.arange(0, BLOCK)
+        mc = c_ < d
+        x = tl.load(X + t * stride_x + i[:, None] * d + c_[None, :], mask=mc[None, :], other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(U + t * d + c_, u.to(U.dtype.element_ty), mask=mc)
 
-
-def hc_weights(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
-    """m: [N, (2+n)n] fp32 mixing logits -> (pre [N, n], post [N, n], comb [N, n, n]) fp32 (n a power of 2)."""
-    N = m.shape[0]
-    pre = torch.empty(N, n, dtype=torch.float32, device=m.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(N, n, n, dtype=torch.float32, device=m.device)
-    if N:
-        _hc_weights_kernel[(N,)](m, m.stride(0), scale.float().contiguous(), base.float().contiguous(), pre, post,
-                                 comb, iters, eps, n=n, num_warps=1)
-    return pre, post, comb
+    @triton.jit
+    def _post(Y, X, POST, COMB, OUT, d, n: tl.constexpr, BLOCK: tl.constexpr):
+        t, db = tl.program_id(0), tl.program_id(1)
+        i = tl.arange(0, n)
+        c_ = db * BLOCK + tl.arange(0, BLOCK)
+        mc = c_ < d
+        x = tl.load(X + t * n * d + i[:, None] * d + c_[None, :], mask=mc[None, :], other=0.0).to(tl.float32)
+        y = tl.load(Y + t * d + c_, mask=mc, other=0.0).to(tl.float32)
+        comb = tl.load(COMB + t * n * n + i[:, None] * n + i[None, :])  # [j, k]
+        mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [k, c]: sum over j
+        out = tl.load(POST + t * n + i)[:, None] * y[None, :] + mixed
+        tl.store(OUT + t * n * d + i[:, None] * d + c_[None, :], out.to(OUT.dtype.element_ty), mask=mc[None, :])
 
 
 def usable(X: torch.Tensor) -> bool:
     n = X.shape[1]
     return HAVE_TRITON and X.is_cuda and n >= 2 and (n & (n - 1)) == 0
+
+
+def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                     eps: float, norm_eps: float, head: bool):
+    N, n, d = X.shape
+    K, R = n * d, fn.shape[0]
+    X = X.contiguous()
+    fn = fn.float().contiguous()
+    KB = triton.cdiv(K, BLOCK_K)
+    P = torch.empty(N, KB, R + 1, dtype=torch.float32, device=X.device)
+    u = torch.empty(N, d, dtype=X.dtype, device=X.device)
+    post = torch.empty(N, n, dtype=torch.float32, device=X.device)
+    comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
+    if N:
+        _mix_partials[(N, KB)](X, X.stride(0), fn, P, K, R=R, RP=triton.next_power_of_2(R + 1), BLOCK=BLOCK_K,
+                               num_warps=4)
+        _collapse[(N, triton.cdiv(d, BLOCK_D))](P, KB, X, X.stride(0), scale.float().contiguous(),
+                                                base.float().contiguous(), post, comb, u, eps, norm_eps,
+                                                K, d, iters=iters, n=n, KBP=triton.next_power_of_2(KB), HEAD=head,
+                                                BLOCK=BLOCK_D, num_warps=4)
+    return u, post, comb
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+           norm_eps: float):
+    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``."""
+    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """X [N, n, d] -> [N, d] in X's dtype, as ``model.mhc.hc_head``."""
+    return _collapse_launch(X, fn, base, scale, 1, eps, norm_eps, head=True)[0]
+
+
+def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """y [N, d], X [N, n, d] -> X' [N, n, d] in X's dtype, as ``model.mhc.hc_post``."""
+    N, n, d = X.shape
+    X, y = X.contiguous(), y.contiguous()
+    out = torch.empty_like(X)
+    if N:
+        _post[(N, triton.cdiv(d, BLOCK_D))](y, X, post.float().contiguous(), comb.float().contiguous(), out, d,
+                                            n=n, BLOCK=BLOCK_D, num_warps=4)
+    return out

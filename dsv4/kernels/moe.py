@@ -16,20 +16,42 @@ from __future__ import annotations
 
 import torch
 
-from ..model.ops import swiglu
+from ..model.ops import swiglu_to
 from . import HAVE_TRITON
 
 BLOCK_M = 16
+GEMM_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """Device-side layout of the pairs. ids: [N, k] -> (rows [M_pad] token index or -1, pair_pos [N*k]
-    row of each pair, block_expert [M_pad/block_m] expert of each row block or -1)."""
+    row of each pair, block_expert [M_pad/block_m] expert of each row block or -1).
+
+    Expert e's pairs fill rows seg_start[e] .. (padded to a multiple of block_m), in pair order. On CUDA a
+    small batch takes one Triton program (``_align_kernel``); ``align_torch`` is its twin."""
+    P = ids.numel()
+    if ids.is_cuda and HAVE_TRITON and P and _pow2(P) * _pow2(num_experts) <= ALIGN_KERNEL_MAX:
+        return _align(ids, num_experts, block_m)
+    return align_torch(ids, num_experts, block_m)
+
+
+ALIGN_KERNEL_MAX = 1 << 15  # pairs x experts (powers of two) one align program holds in registers
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _m_pad(P: int, num_experts: int, block_m: int) -> int:
+    m_pad = P + num_experts * (block_m - 1)
+    return (m_pad + block_m - 1) // block_m * block_m
+
+
+def align_torch(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     N, k = ids.shape
     flat = ids.flatten()
     P = flat.numel()
-    m_pad = P + num_experts * (block_m - 1)
-    m_pad = (m_pad + block_m - 1) // block_m * block_m
+    m_pad = _m_pad(P, num_experts, block_m)
     order = torch.argsort(flat, stable=True)
     e_sorted = flat[order]
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)  # bincount would sync on CUDA
@@ -49,9 +71,50 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     return rows, pair_pos, block_expert
 
 
+def _align(ids: torch.Tensor, num_experts: int, block_m: int):
+    N, k = ids.shape
+    P = N * k
+    m_pad = _m_pad(P, num_experts, block_m)
+    rows = torch.empty(m_pad, dtype=torch.long, device=ids.device)
+    pair_pos = torch.empty(P, dtype=torch.long, device=ids.device)
+    block_expert = torch.empty(m_pad // block_m, dtype=torch.long, device=ids.device)
+    _align_kernel[(1,)](ids.contiguous(), rows, pair_pos, block_expert, P, k, num_experts, m_pad,
+                        PP=_pow2(P), EP=_pow2(num_experts), BM=block_m, MB=_pow2(m_pad // block_m),
+                        num_warps=8 if _pow2(P) * _pow2(num_experts) > 8192 else 4)
+    return rows, pair_pos, block_expert
+
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, P, k, E, m_pad, PP: tl.constexpr, EP: tl.constexpr,
+                      BM: tl.constexpr, MB: tl.constexpr):
+        """One program: counts per expert, padded segments, each pair's rank among its expert's pairs (pair
+        order), then the three tables of ``align``."""
+        p = tl.arange(0, PP)
+        mp = p < P
+        ex = tl.arange(0, EP)
+        e = tl.load(IDS + p, mask=mp, other=EP)  # padding pairs match no expert
+        onehot = (e[:, None] == ex[None, :]).to(tl.int32)  # [PP, EP]
+        counts = tl.sum(onehot, axis=0)
+        padded = (counts + BM - 1) // BM * BM
+        seg_end = tl.cumsum(padded, axis=0)
+        seg_start = seg_end - padded
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # earlier pairs of the same expert
+        pos = tl.sum(onehot * seg_start[None, :], axis=1) + rank
+        r = tl.arange(0, MB * BM)  # every row starts empty
+        tl.store(ROWS + r, tl.full([MB * BM], -1, tl.int64), mask=r < m_pad)
+        tl.debug_barrier()
+        tl.store(ROWS + pos, (p // k).to(tl.int64), mask=mp)
+        tl.store(PAIR_POS + p, pos.to(tl.int64), mask=mp)
+        b = tl.arange(0, MB)
+        start = b * BM
+        total = tl.sum(padded, axis=0)
+        be = tl.sum((seg_end[None, :] <= start[:, None]).to(tl.int32), axis=1)  # searchsorted, right
+        be = tl.where(start < total, be, -1)
+        tl.store(BLOCK_EXPERT + b, be.to(tl.int64), mask=start < m_pad)
 
     @triton.jit
     def _grouped_gemm_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, stride_wk, C, stride_cm,
@@ -88,16 +151,17 @@ if HAVE_TRITON:
         c_ptrs = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=offs_n[None, :] < N)
 
-    def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int):
-        """out [m_pad, n] (sorted layout) = a[rows] @ w[e].T per row block."""
+    def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int, config: dict | None = None):
+        """out [m_pad, n] (sorted layout) = a[rows] @ w[e].T per row block. ``config``: BLOCK_N, BLOCK_K,
+        num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices)."""
         E, n, kdim = w.shape
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
-        bn, bk = 64, 64
-        grid = (m_pad // BLOCK_M, triton.cdiv(n, bn))
+        c = dict(GEMM_CONFIG, **(config or {}))
+        grid = (m_pad // BLOCK_M, triton.cdiv(n, c["BLOCK_N"]))
         _grouped_gemm_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), w.stride(2), out,
                                    out.stride(0), block_expert, n, kdim, GATHER=gather, BLOCK_M=BLOCK_M,
-                                   BLOCK_N=bn, BLOCK_K=bk, IEEE=a.dtype == torch.float32, num_warps=4,
-                                   num_stages=3)
+                                   BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], IEEE=a.dtype == torch.float32,
+                                   num_warps=c["num_warps"], num_stages=c["num_stages"])
         return out
 
 
@@ -136,7 +200,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     u = gemm(x, rows, w3, block_expert, True, m_pad)
     w_sorted = torch.zeros(m_pad, dtype=torch.float32, device=x.device)
     w_sorted[pair_pos] = weights.flatten().float()
-    h = (swiglu(g, u, limit) * w_sorted[:, None]).to(x.dtype)  # routing weight before w2, as DeepSeek
+    h = swiglu_to(g, u, limit, w_sorted, x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad)  # [m_pad, d]
     y = y[pair_pos]
     if keep is not None:  # skipped blocks were never written (torch.empty): select, never multiply

@@ -23,6 +23,7 @@ class AttentionBackend(Protocol):
     """Where an attention layer's keys come from. N tokens are grouped as [G, Tq] for attention."""
 
     positions: torch.Tensor  # [N] absolute positions
+    rope_memo: dict  # id(rope table) -> (table, (cos, sin)) of ``positions``: filled by ``step_rope``
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [G, Tq, ...]"""
@@ -53,6 +54,15 @@ def attend_gathered(q: torch.Tensor, window, compressed, sink: torch.Tensor, sca
         keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
         mask = torch.cat((mask, visible), dim=-1)
     return sink_attention(q, keys, mask, sink, scale)
+
+
+def step_rope(backend: AttentionBackend, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, R/2] of the backend's positions for a rope table, computed once per backend (one forward)
+    and table; the memo keeps the table alive, so its id cannot be reused while the entry exists."""
+    hit = backend.rope_memo.get(id(table))
+    if hit is None:
+        hit = backend.rope_memo[id(table)] = (table, rope_cos_sin(table, backend.positions))
+    return hit[1]
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +108,11 @@ class Compressor(nn.Module):
         if self.coff == 2:
             kv_rows = torch.cat((kv_rows[:, :r, :D], kv_rows[:, r:, D:]), dim=1)
             score_rows = torch.cat((score_rows[:, :r, :D], score_rows[:, r:, D:]), dim=1)
-        pooled = rms_norm(pool_windows(kv_rows, score_rows, valid), self.norm.weight, self.norm.eps)
+        return self.finish(pool_windows(kv_rows, score_rows, valid), window_pos)
+
+    def finish(self, pooled: torch.Tensor, window_pos: torch.Tensor) -> torch.Tensor:
+        """Pooled windows [M, D] -> entries: the compressor's RMSNorm, then RoPE at the window start."""
+        pooled = rms_norm(pooled, self.norm.weight, self.norm.eps)
         cos, sin = rope_cos_sin(self.inv_freq, window_pos)
         return apply_rope(pooled, cos, sin)
 
@@ -143,9 +157,14 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg) if compress_ratio == 4 else None
         self.init_tables()
 
-    def init_tables(self, device=None):
-        """(Re)compute the rope table on ``device`` (after loading weights built on the meta device)."""
-        self.inv_freq = layer_inv_freq(self.cfg, self.compress_ratio).to(device)
+    def init_tables(self, device=None, shared: dict | None = None):
+        """(Re)compute the rope table on ``device`` (after loading weights built on the meta device). Layers
+        given the same ``shared`` dict hold one tensor per distinct table, so ``step_rope`` computes each
+        table's cos/sin once per step."""
+        table = layer_inv_freq(self.cfg, self.compress_ratio).to(device)
+        if shared is not None:
+            table = shared.setdefault((tuple(table.shape), tuple(table.tolist())), table)
+        self.inv_freq = table
         for comp in (self.compressor, self.indexer.compressor if self.indexer else None):
             if comp is not None:
                 comp.inv_freq = self.inv_freq
@@ -158,7 +177,7 @@ class Attention(nn.Module):
         D = cfg.head_dim
         H = self.wq_b.weight.shape[0] // D
         g = self.wo_a.weight.shape[0] // cfg.o_lora_rank
-        cos, sin = rope_cos_sin(self.inv_freq, backend.positions)  # [N, R/2]
+        cos, sin = step_rope(backend, self.inv_freq)  # [N, R/2]
 
         c_q = self.q_norm(self.wq_a(x))  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)

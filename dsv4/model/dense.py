@@ -16,6 +16,7 @@ class DenseBackend:
         self.B, self.T, self.window_size = batch, seqlen, window
         t = torch.arange(seqlen, device=device)
         self.positions = t.repeat(batch)  # [N]
+        self.rope_memo = {}
         # key j visible from query t iff t - window < j <= t
         diff = t.view(-1, 1) - t.view(1, -1)
         self._window_mask = ((diff >= 0) & (diff < window)).expand(batch, -1, -1)  # [B, T, T]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import mhc as kernel
+
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """W v with v = flatten(X) / rms(flatten(X)) (unweighted RMS over all n*d values): [N, rows]."""
@@ -20,13 +22,10 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Ten
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
            eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n])."""
+    if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
+        return kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps)
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
-    from ..kernels import mhc as kernel  # lazy: kernels import model pieces
-
-    if kernel.usable(X):  # one fused kernel on the GPU; the code below is its twin
-        pre, post, comb = kernel.hc_weights(m, base, scale, n, sinkhorn_iters, eps)
-        return torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype), post, comb
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + eps  # [N, n]
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])  # [N, n]
@@ -42,6 +41,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * y + sum_j comb[j, k] * X_j (the sum runs over the FIRST index of comb)."""
+    if kernel.usable(X):  # one fused kernel on the GPU; the lines below are its twin
+        return kernel.hc_post(y, X, post, comb)
     out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("njk,njd->nkd", comb, X.float())
     return out.to(X.dtype)
 
@@ -49,6 +50,8 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
     """Final collapse of the streams before the output norm: [N, n, d] -> [N, d]."""
+    if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
+        return kernel.hc_head(X, fn, base, scale, eps, norm_eps)
     m = _mix_logits(X, fn, norm_eps)  # [N, n]
     pre = torch.sigmoid(scale.float()[0] * m + base.float()) + eps
     return torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype)

@@ -42,8 +42,9 @@ class DeepseekV4(nn.Module):
 
     def init_tables(self, device=None):
         """Rope tables on ``device`` (they are not checkpoint tensors)."""
+        shared = {}
         for blk in list(self.layers) + list(self.mtp):
-            blk.attn.init_tables(device)
+            blk.attn.init_tables(device, shared)
 
     # ---- pieces the engine drives -----------------------------------------------------------------
     def streams(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:

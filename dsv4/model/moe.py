@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .ops import swiglu
+from .ops import swiglu_to
 
 
 def _have_triton() -> bool:
@@ -29,6 +29,11 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (weights [N, k] fp32, expert ids [N, k])."""
+        if x.is_cuda and _have_triton():  # two kernels on the GPU (dsv4.kernels.gate); the lines below are their twin
+            from ..kernels.gate import route
+
+            return route(x, self.weight, None if self.is_hash else self.bias, self.tid2eid if self.is_hash else None,
+                         token_ids, self.cfg.n_experts_per_tok, self.cfg.score_func, self.cfg.route_scale)
         logits = F.linear(x.float(), self.weight.float())
         if self.cfg.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
@@ -78,8 +83,8 @@ class Experts(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 seg = slice(start, start + c)
-                h = swiglu(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit)  # [c, I] fp32
-                h = (h * ws[seg]).to(x.dtype)  # routing weight before w2, as DeepSeek does
+                # routing weight before w2, as DeepSeek does
+                h = swiglu_to(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit, ws[seg, 0], x.dtype)
                 out[seg] = (h @ self.w2[e].t()).float()
                 start += c
         y = torch.empty_like(out)
@@ -97,7 +102,7 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(d, I, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype)).float()
+        return self.w2(swiglu_to(self.w1(x), self.w3(x), self.limit, None, x.dtype)).float()
 
 
 class MoE(nn.Module):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..kernels import norm as norm_kernel
 from ..kernels import rope as rope_kernel
+from ..kernels import swiglu as swiglu_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -119,3 +120,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``swiglu`` times an optional per-row weight [R], rounded once to ``dtype``: [R, I]. On CUDA one Triton
+    kernel does it (``dsv4.kernels.swiglu``); the lines below are its twin."""
+    if gate.is_cuda and swiglu_kernel.HAVE_TRITON and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        return swiglu_kernel.swiglu_to(gate, up, limit, row_weight, dtype)
+    h = swiglu(gate, up, limit)
+    if row_weight is not None:
+        h = h * row_weight.float()[:, None]
+    return h.to(dtype)

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..model.model import DeepseekV4
 from ..model.moe import _have_triton
-from ..model.ops import swiglu
+from ..model.ops import swiglu_to
 from .comm import Collectives
 from .mapping import ParallelMapping
 
@@ -154,8 +154,8 @@ class ParallelExperts(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 seg = slice(start, start + c)
-                h = swiglu(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit)  # [c, I_local] fp32
-                h = (h * ws[seg]).to(x.dtype)  # routing weight before w2, as the single-device path does
+                # routing weight before w2, as the single-device path does
+                h = swiglu_to(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit, ws[seg, 0], x.dtype)
                 y.index_add_(0, tok[seg], (h @ self.w2[e].t()).float())
                 start += c
         return y

@@ -1,0 +1,90 @@
+"""The MoE router in two kernels: the gate logits (fp32 dot products of each token with every expert's
+row, a program per token and block of experts), then one program per token for the scores
+(sqrt-softplus, sigmoid or softmax), the selection (top-k of score + bias, or the token's fixed hash
+experts), the normalisation and the route scale. In torch that is about a dozen launches. The plain-torch
+twin is the CPU branch of ``dsv4.model.moe.Gate.forward``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import HAVE_TRITON
+
+FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+BLOCK_E = 8
+BLOCK_D = 512
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gate_logits(X, stride_x, W, L, E, d: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr):
+        t, eb = tl.program_id(0), tl.program_id(1)
+        e = eb * BE + tl.arange(0, BE)
+        me = e < E
+        acc = tl.zeros([BE], dtype=tl.float32)
+        for d0 in range(0, d, BD):
+            c = d0 + tl.arange(0, BD)
+            mc = c < d
+            x = tl.load(X + t * stride_x + c, mask=mc, other=0.0).to(tl.float32)
+            w = tl.load(W + e[:, None] * d + c[None, :], mask=me[:, None] & mc[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        tl.store(L + t * E + e, acc, mask=me)
+
+    @triton.jit
+    def _gate_route(L, BIAS, TID2EID, TOK, OUT_W, OUT_IDS, E, route_scale, K: tl.constexpr, KP: tl.constexpr,
+                    EP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr):
+        t = tl.program_id(0)
+        ex = tl.arange(0, EP)
+        me = ex < E
+        logits = tl.load(L + t * E + ex, mask=me, other=0.0)
+        if FUNC == 0:  # torch's softplus (threshold 20), then sqrt; log1p(u) = log(1+u) * u / ((1+u) - 1)
+            u = tl.exp(tl.minimum(logits, 20.0))
+            v = 1.0 + u
+            log1p = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+            scores = tl.sqrt(tl.where(logits > 20.0, logits, log1p))
+        elif FUNC == 1:
+            scores = tl.sigmoid(logits)
+        else:
+            z = tl.where(me, logits, float("-inf"))
+            z = tl.exp(z - tl.max(z, axis=0))
+            scores = z / tl.sum(z, axis=0)
+        j = tl.arange(0, KP)
+        ids = tl.zeros([KP], dtype=tl.int64)
+        w = tl.zeros([KP], dtype=tl.float32)
+        if HASH:
+            tok = tl.load(TOK + t)
+            ids = tl.load(TID2EID + tok * K + j, mask=j < K, other=0)
+            w = tl.sum(tl.where(ids[:, None] == ex[None, :], scores[None, :], 0.0), axis=1)
+        else:  # top-k of score + bias by repeated argmax: descending, like torch.topk
+            sel = tl.where(me, scores + tl.load(BIAS + ex, mask=me, other=0.0), float("-inf"))
+            for i in tl.static_range(K):
+                best = tl.argmax(sel, axis=0)
+                ids = tl.where(j == i, best.to(tl.int64), ids)
+                w = tl.where(j == i, tl.sum(tl.where(ex == best, scores, 0.0), axis=0), w)
+                sel = tl.where(ex == best, float("-inf"), sel)
+        if FUNC != 2:
+            w = w / tl.sum(tl.where(j < K, w, 0.0), axis=0)
+        tl.store(OUT_W + t * K + j, w * route_scale, mask=j < K)
+        tl.store(OUT_IDS + t * K + j, ids, mask=j < K)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+          token_ids: torch.Tensor, k: int, score_func: str, route_scale: float):
+    """x [N, d], weight [E, d] -> (weights [N, k] fp32, ids [N, k] int64), as ``Gate.forward``."""
+    N, d = x.shape
+    E = weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    w = torch.empty(N, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(N, k, dtype=torch.int64, device=x.device)
+    if N:
+        _gate_logits[(N, triton.cdiv(E, BLOCK_E))](x, x.stride(0), weight, logits, E, d=d, BE=BLOCK_E, BD=BLOCK_D,
+                                                   num_warps=4)
+        hashed = tid2eid is not None
+        _gate_route[(N,)](logits, bias.float().contiguous() if bias is not None else logits,
+                          tid2eid.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids,
+                          w, ids, E, float(route_scale), K=k, KP=triton.next_power_of_2(k),
+                          EP=triton.next_power_of_2(E), FUNC=FUNCS[score_func], HASH=hashed, num_warps=1)
+    return w, ids

@@ -1,0 +1,44 @@
+"""SwiGLU in one kernel: silu(min(gate, L)) * clamp(up, -L, L), times an optional per-row weight, rounded once
+to the output dtype (in torch: two conversions, two clamps, silu, two products and a conversion). The
+plain-torch twin is the CPU branch of ``dsv4.model.ops.swiglu_to``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import HAVE_TRITON
+
+BLOCK = 1024
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _swiglu_kernel(G, U, W, OUT, cols, stride_g, stride_u, limit, HAS_W: tl.constexpr,
+                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+        r, cb = tl.program_id(0), tl.program_id(1)
+        c = cb * BLOCK + tl.arange(0, BLOCK)
+        m = c < cols
+        g = tl.load(G + r * stride_g + c, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + r * stride_u + c, mask=m, other=0.0).to(tl.float32)
+        if CLAMP:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        if HAS_W:
+            h = h * tl.load(W + r)
+        tl.store(OUT + r * cols + c, h.to(OUT.dtype.element_ty), mask=m)
+
+
+def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """gate, up: [R, I] (unit stride along I); row_weight: [R] fp32 or None -> [R, I] in ``dtype``."""
+    R, cols = gate.shape
+    out = torch.empty(R, cols, dtype=dtype, device=gate.device)
+    w = row_weight.float().contiguous() if row_weight is not None else out  # unused pointer without weights
+    if R and cols:
+        _swiglu_kernel[(R, triton.cdiv(cols, BLOCK))](gate, up, w, out, cols, gate.stride(0), up.stride(0),
+                                                       float(limit), HAS_W=row_weight is not None,
+                                                       CLAMP=limit > 0, BLOCK=BLOCK, num_warps=4)
+    return out
