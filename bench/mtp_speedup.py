@@ -69,6 +69,7 @@ def main():
     for k in (0, 1, 2):
         llm = LLM(args.preset, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None,
                   **common)
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # untimed: compiles this run's kernels
         for label, hook in (("MTP", None), (f"oracle drafter p={args.p_right}", True)):
             if k == 0 and hook:
                 continue

@@ -359,3 +359,36 @@ def test_rope_kernel_equals_twin(dtype, shape):
         strided = x.transpose(0, 1).contiguous().transpose(0, 1)
         assert not strided.is_contiguous()
         assert torch.equal(apply_rope(strided, cos, sin).cpu(), apply_rope(x.cpu(), cos.cpu(), sin.cpu()))
+
+
+@pytest.mark.parametrize("preset, max_draft, tpb", [("tiny", 2, 16), ("flash-L4-E32", 1, 128), ("tiny-r128", 3, 128)])
+def test_plan_expansion_kernels_equal_twin(preset, max_draft, tpb):
+    """dsv4.kernels.expand (expand_rows on CUDA) against expand_rows_torch on the CPU, every table exactly:
+    random batches with and without padding, long chunks, decode and verify rows, and an idle lane."""
+    from dsv4.cache.layout import CacheLayout
+    from dsv4.cache.plan import build_plan, expand_rows_torch
+    from dsv4.config import get_preset
+    from dsv4.kernels.expand import expand
+
+    rng = random.Random(preset)
+    lay = CacheLayout(get_preset(preset), max_draft, tpb)
+    cases = []
+    for trial in range(8):
+        B = rng.choice([1, 3, 5, 32])
+        n = [rng.choice([1, 1 + max_draft, rng.randint(1, 300)]) for _ in range(B)]
+        C = [rng.randint(0, 3000) for _ in range(B)]
+        pad = trial % 2 == 1
+        cases.append(dict(req_ids=list(range(B)), num_computed=C, num_new=n, draft_lens=[0] * B,
+                          slots=[rng.randint(1, 40) for _ in range(B)],
+                          block_tables=[[rng.randint(1, 999) for _ in range(lay.num_blocks_for(c + k))]
+                                        for c, k in zip(C, n)],
+                          pad_tokens_to=sum(n) + 5 if pad else None, pad_batch_to=B + 3 if pad else None,
+                          max_entries=1000 if pad else None))
+    cases.append(dict(req_ids=(), num_computed=(), num_new=(), draft_lens=(), slots=(), block_tables=[],
+                      pad_tokens_to=6, pad_batch_to=2, max_entries=30, max_blocks=4))
+    for args in cases:
+        plan = build_plan(lay, num_slots=40, owner=0, step_id=0, **args)
+        ref = expand_rows_torch(lay, plan.shape, plan.rows, 40)
+        _poison_allocator(1 << 20, torch.float32)
+        got = expand(lay, plan.shape, plan.rows.cuda(), 40)
+        assert [k for k in ref if not torch.equal(ref[k], got[k].cpu())] == []

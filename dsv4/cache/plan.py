@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from dsv4.cache.layout import CacheLayout
+from dsv4.kernels import expand as expand_kernel
 
 _I64 = torch.int64
 
@@ -262,13 +263,42 @@ def expand_rows(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, num_s
     shapes come from ``shape`` and every data-dependent quantity stays on the device, so a CUDA graph can
     capture this. ``num_windows``: the real window counts, when the caller knows them (None in a graph).
 
-    Padded tokens, windows and rows are all-zero and invalid: they point at the null slot/block.
+    Padded tokens, windows and rows are all-zero and invalid: they point at the null slot/block. On CUDA
+    a few Triton kernels do it (``dsv4.kernels.expand``); ``expand_rows_torch`` is their twin.
     """
-    B, N, nb = shape.batch, shape.tokens, shape.max_blocks
-    if B < 1:
+    if shape.batch < 1:
         raise ValueError("a step plan needs at least one batch row (padding included)")
+    if expand_kernel.usable(rows):
+        return _assemble(layout, shape, rows, expand_kernel.expand(layout, shape, rows, num_slots), num_slots,
+                         num_windows)
+    return _assemble(layout, shape, rows, expand_rows_torch(layout, shape, rows, num_slots), num_slots, num_windows)
+
+
+def _assemble(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, t: dict, num_slots: int,
+              num_windows: Mapping[int, int] | None) -> PlanTables:
+    """PlanTables from the tables of ``expand_rows_torch`` (or its kernels) and the views of ``rows``."""
+    B = shape.batch
+    ratio = {}
+    for r in layout.ratios:
+        ratio[r] = RatioTables(
+            ratio=r, coff=layout.coff(r), state_cap=layout.state_cap(r),
+            state_step_base=(num_slots + 1) * layout.state_cap(r),
+            num_windows=None if num_windows is None else num_windows[r],
+            **{k: t[r, k] for k in ("state_write", "win_token", "win_seq", "win_index", "win_pos", "win_write",
+                                    "win_active", "win_rows", "win_valid", "entry_count", "entry_rows",
+                                    "entry_valid")})
+    return PlanTables(positions=t["positions"], token_seq=t["token_seq"], query_start=t["query_start"],
+                      computed_lens=rows[:B], num_new=rows[B:2 * B], slots=rows[2 * B:3 * B],
+                      draft_lens=rows[3 * B:4 * B], block_table=rows[4 * B:].view(B, shape.max_blocks),
+                      last_token_index=t["last_token_index"], swa_read=t["swa_read"], swa_valid=t["swa_valid"],
+                      swa_write=t["swa_write"], ratio_tables=MappingProxyType(ratio))
+
+
+def expand_rows_torch(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, num_slots: int) -> dict:
+    """The plain-torch twin of ``dsv4.kernels.expand.expand``: token fields by name, ``(r, name)`` per ratio."""
+    B, N, nb = shape.batch, shape.tokens, shape.max_blocks
     dev, W, S = rows.device, layout.window, layout.swa_cap
-    C, n, slot, dl = (rows[i * B:(i + 1) * B] for i in range(4))
+    C, n, slot = (rows[i * B:(i + 1) * B] for i in range(3))
     bt = rows[4 * B:].view(B, nb)
     ends = n.cumsum(0)
     qs = torch.cat((ends.new_zeros(1), ends))
@@ -293,7 +323,8 @@ def expand_rows(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, num_s
     swa_read = torch.where(kp >= C_t[:, None], swa_base + qs_t[:, None] + kp - C_t[:, None], ring)
     swa_read = torch.where(swa_valid, swa_read, 0)
 
-    tables = {}
+    out = dict(positions=pos, token_seq=seq, query_start=qs, last_token_index=torch.where(n > 0, ends - 1, 0),
+               swa_read=swa_read, swa_valid=swa_valid, swa_write=ring_write(S))
     windows, entries = dict(shape.windows), dict(shape.entries)
     for r in layout.ratios:
         coff, cap, epb = layout.coff(r), layout.state_cap(r), layout.entries_per_block(r)
@@ -319,18 +350,15 @@ def expand_rows(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, num_s
         we = torch.arange(E, dtype=_I64, device=dev)
         entry_valid = we[None, :] < count[:, None]
         blk = bt[seq[:, None], (we // epb).clamp(max=nb - 1)[None, :]]
-        tables[r] = RatioTables(
-            ratio=r, coff=coff, state_cap=cap, state_step_base=state_base, state_write=ring_write(cap),
-            num_windows=None if num_windows is None else num_windows[r],
-            win_token=torch.where(active, qsw + (w + 1) * r - 1 - Cw, 0), win_seq=ws, win_index=w, win_pos=w * r,
-            win_write=torch.where(active, bt[ws, w // epb] * epb + w % epb, 0), win_active=active,
-            win_rows=torch.where(win_valid, win_rows, 0), win_valid=win_valid, entry_count=count,
-            entry_rows=torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0), entry_valid=entry_valid,
-        )
-    return PlanTables(positions=pos, token_seq=seq, query_start=qs, computed_lens=C, num_new=n, slots=slot,
-                      draft_lens=dl, block_table=bt, last_token_index=torch.where(n > 0, ends - 1, 0),
-                      swa_read=swa_read, swa_valid=swa_valid, swa_write=ring_write(S),
-                      ratio_tables=MappingProxyType(tables))
+        out.update({(r, "state_write"): ring_write(cap), (r, "entry_count"): count,
+                    (r, "win_token"): torch.where(active, qsw + (w + 1) * r - 1 - Cw, 0), (r, "win_seq"): ws,
+                    (r, "win_index"): w, (r, "win_pos"): w * r,
+                    (r, "win_write"): torch.where(active, bt[ws, w // epb] * epb + w % epb, 0),
+                    (r, "win_active"): active, (r, "win_rows"): torch.where(win_valid, win_rows, 0),
+                    (r, "win_valid"): win_valid,
+                    (r, "entry_rows"): torch.where(entry_valid, blk * epb + (we % epb)[None, :], 0),
+                    (r, "entry_valid"): entry_valid})
+    return out
 
 
 def _to_device(vector: np.ndarray, device) -> torch.Tensor:

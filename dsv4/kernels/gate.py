@@ -11,8 +11,8 @@ import torch
 from . import HAVE_TRITON
 
 FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-BLOCK_E = 8
-BLOCK_D = 512
+BLOCK_E = 1  # one expert row per program: at batch 1 the experts are the only parallelism
+BLOCK_D = 1024
 
 if HAVE_TRITON:
     import triton

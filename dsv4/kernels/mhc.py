@@ -15,7 +15,7 @@ import torch
 
 from . import HAVE_TRITON
 
-BLOCK_K = 256  # inputs of one token per mixing-partial program
+BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs per token)
 BLOCK_D = 512  # channels per collapse / write-back program
 
 if HAVE_TRITON:

@@ -20,7 +20,11 @@ from ..model.ops import swiglu_to
 from . import HAVE_TRITON
 
 BLOCK_M = 16
-GEMM_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+# tile choices measured by bench/grouped_gemm_configs.py on the H200 at batch 1 and 32 (BENCHMARKS.md): the
+# gathering GEMMs (w1, w3) and the sorted-row GEMM (w2) differ
+GEMM_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+GEMM_CONFIG_SORTED = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+GEMM_CONFIG_FP32 = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fp32 tiles: half the shared memory
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -88,7 +92,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "m_pad"])
     def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, P, k, E, m_pad, PP: tl.constexpr, EP: tl.constexpr,
                       BM: tl.constexpr, MB: tl.constexpr):
         """One program: counts per expert, padded segments, each pair's rank among its expert's pairs (pair
@@ -156,7 +160,8 @@ if HAVE_TRITON:
         num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices)."""
         E, n, kdim = w.shape
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
-        c = dict(GEMM_CONFIG, **(config or {}))
+        base = GEMM_CONFIG_FP32 if a.element_size() > 2 else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED
+        c = dict(base, **(config or {}))
         grid = (m_pad // BLOCK_M, triton.cdiv(n, c["BLOCK_N"]))
         _grouped_gemm_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), w.stride(2), out,
                                    out.stride(0), block_expert, n, kdim, GATHER=gather, BLOCK_M=BLOCK_M,
