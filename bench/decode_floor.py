@@ -29,8 +29,10 @@ def step_bytes(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float]:
             kv += batch * (context // r) * D * elt if r != 4 else batch * min(cfg.index_topk, context // 4) * D * elt
         if r == 4:
             dI, nI = cfg.index_head_dim, cfg.index_n_heads
-            a += nI * dI * q + nI * d + 2 * 2 * dI * d
-            kv += batch * (context // 4) * dI * elt  # the indexer scores every entry
+            a += 2 * 2 * dI * d  # the indexer's compressor writes its keys in every step
+            if context // 4 > cfg.index_topk:  # with at most top-k entries all are selected: no scoring needed
+                a += nI * dI * q + nI * d
+                kv += batch * (context // 4) * dI * elt  # the indexer scores every entry
         attn += a * elt
         weights += (E * d + 3 * I * d) * elt + 2 * (2 + n) * n * n * d * 4  # gate, shared expert, mHC (fp32)
         distinct = E * (1 - (1 - k / E) ** batch)  # expected experts the batch routes to

@@ -392,3 +392,45 @@ def test_plan_expansion_kernels_equal_twin(preset, max_draft, tpb):
         _poison_allocator(1 << 20, torch.float32)
         got = expand(lay, plan.shape, plan.rows.cuda(), 40)
         assert [k for k in ref if not torch.equal(ref[k], got[k].cpu())] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ratio, C", [(4, 1024), (128, 512), (4, 96)])
+def test_compressor_rows_kernel_matches_twin(dtype, ratio, C):
+    """dsv4.kernels.project (Compressor.project on CUDA) against the torch lines on the CPU, and its halves
+    join back into the kernel's buffer without a copy."""
+    from dsv4.kernels.project import project_rows
+    from dsv4.model.attention import joined_rows
+
+    g = torch.Generator(device="cuda").manual_seed(ratio + C)
+    N = 37
+    kv = torch.randn(N, C, device="cuda", generator=g).to(dtype)
+    gate = torch.randn(N, 2 * C, device="cuda", generator=g).to(dtype)[:, C:]
+    ape = torch.randn(ratio, C, device="cuda", generator=g)
+    pos = torch.randint(0, 5000, (N,), device="cuda", generator=g)
+    ref = torch.cat((kv.cpu().float(), gate.cpu().float() + ape.cpu()[pos.cpu() % ratio]), dim=-1)
+    _poison_allocator(N * 2 * C, torch.float32)
+    out = project_rows(kv, gate, ape, pos, ratio)
+    assert torch.equal(out.cpu(), ref)
+    a, b = out.chunk(2, dim=-1)
+    assert joined_rows(a, b) is out
+
+
+@pytest.mark.parametrize("N, k", [(1, 6), (33, 6), (7, 2)])
+def test_expert_combine_kernel_matches_twin(N, k):
+    """The grouped experts' combine (each token's sum over its pairs' rows, kept pairs only) against the
+    torch lines on the CPU; the output buffer is poisoned first."""
+    from dsv4.kernels.moe import _combine, align_torch
+
+    E, d = 32, 4096
+    gen = torch.Generator().manual_seed(N)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    _, pair_pos, _ = align_torch(ids, E)
+    y = torch.randn(int(pair_pos.max()) + 16, d, generator=gen).to(torch.bfloat16)
+    keep = torch.rand(N, k, generator=gen) < 0.6
+    for kp in (None, keep):
+        ref = y[pair_pos] if kp is None else torch.where(kp.reshape(-1, 1), y[pair_pos], 0)
+        ref = ref.view(N, k, -1).float().sum(dim=1)
+        _poison_allocator(N * d, torch.float32)
+        out = _combine(y.cuda(), pair_pos.cuda(), None if kp is None else kp.cuda(), N, k)
+        assert torch.isfinite(out).all() and rel_err(out.cpu(), ref) < 1e-6

@@ -110,3 +110,33 @@ def test_checkpoint_without_mtp_loads_and_refuses_mtp(tmp_path):
     assert model(ids).shape == (1, 12, cfg.vocab_size)
     with pytest.raises(MTPUnavailableError, match="no MTP weights"):
         model.mtp_logits(ids)
+
+
+def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
+    """Indexer.select skips its scores when the step has at most index_topk entries; the long way (scores,
+    then top-k of the visible ones) gives the same selection."""
+    from dsv4.model.ops import apply_rope, index_scores, rope_cos_sin, topk_mask
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny")
+    model = build_model(cfg, random_state_dict(cfg, seed=3), has_mtp=True)
+    blk = next(b for b in model.layers if b.attn.indexer is not None)
+    idx, B, T = blk.attn.indexer, 2, 24
+    x = torch.randn(B * T, cfg.hidden_size)
+    c_q = torch.randn(B * T, cfg.q_lora_rank)
+    backend = DenseBackend(B, T, cfg.window_size, "cpu")
+    cos, sin = rope_cos_sin(blk.attn.inv_freq, backend.positions)
+    E = T // 4
+    visible = torch.rand(B, T, E) < 0.6
+    for topk in (E, E + 5):  # the skip is taken
+        idx.topk = topk
+        got = idx.select(x, c_q, cos, sin, visible, backend, blk.attn.layer_id)
+        kv, score = idx.compressor.project(x, backend.positions)
+        keys, _ = backend.compressed(blk.attn.layer_id, "indexer", idx.compressor, kv, score)
+        q = idx.wq_b(c_q).unflatten(-1, (idx.n_heads, idx.head_dim))
+        scores = index_scores(backend.group(apply_rope(q, cos, sin)), backend.group(idx.weights_proj(x)), keys,
+                              idx.n_heads, idx.head_dim)
+        assert torch.equal(got, topk_mask(scores, visible, topk)) and torch.equal(got, visible)
+    idx.topk = 2  # fewer than E: the scores decide, and only 2 per query survive
+    got = idx.select(x, c_q, cos, sin, visible, backend, blk.attn.layer_id)
+    assert (got.sum(-1) <= 2).all() and not (got & ~visible).any() and got.sum() < visible.sum()

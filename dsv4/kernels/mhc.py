@@ -104,7 +104,7 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
         _collapse[(N, triton.cdiv(d, BLOCK_D))](P, KB, X, X.stride(0), scale.float().contiguous(),
                                                 base.float().contiguous(), post, comb, u, eps, norm_eps,
                                                 K, d, iters=iters, n=n, KBP=triton.next_power_of_2(KB), HEAD=head,
-                                                BLOCK=BLOCK_D, num_warps=4)
+                                                BLOCK=BLOCK_D, num_warps=1)  # Sinkhorn: warp-local reductions
     return u, post, comb
 
 

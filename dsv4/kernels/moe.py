@@ -24,6 +24,7 @@ BLOCK_M = 16
 # gathering GEMMs (w1, w3) and the sorted-row GEMM (w2) differ
 GEMM_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 GEMM_CONFIG_SORTED = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+COMBINE_BLOCK = 1024
 GEMM_CONFIG_FP32 = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fp32 tiles: half the shared memory
 
 
@@ -91,6 +92,22 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int):
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _combine_kernel(Y, PAIR_POS, KEEP, OUT, d, stride_y, K: tl.constexpr, HAS_KEEP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """OUT[t] = sum over j < K of Y[PAIR_POS[t*K + j]] (fp32, j in order), pairs with KEEP False left out."""
+        t, cb = tl.program_id(0), tl.program_id(1)
+        c = cb * BLOCK + tl.arange(0, BLOCK)
+        m = c < d
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(PAIR_POS + t * K + j)
+            ok = m
+            if HAS_KEEP:
+                ok = ok & (tl.load(KEEP + t * K + j) != 0)
+            acc += tl.load(Y + row * stride_y + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + t * d + c, acc, mask=m)
 
     @triton.jit(do_not_specialize=["P", "m_pad"])
     def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, P, k, E, m_pad, PP: tl.constexpr, EP: tl.constexpr,
@@ -207,7 +224,20 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     w_sorted[pair_pos] = weights.flatten().float()
     h = swiglu_to(g, u, limit, w_sorted, x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad)  # [m_pad, d]
+    if HAVE_TRITON and x.is_cuda:  # one kernel; the lines below are its twin
+        return _combine(y, pair_pos, keep, N, k)
     y = y[pair_pos]
     if keep is not None:  # skipped blocks were never written (torch.empty): select, never multiply
         y = torch.where(keep.reshape(-1, 1), y, 0)
     return y.view(N, k, -1).float().sum(dim=1)
+
+
+def _combine(y: torch.Tensor, pair_pos: torch.Tensor, keep: torch.Tensor | None, N: int, k: int) -> torch.Tensor:
+    """[N, d] fp32: each token's sum over its k pairs' rows of the sorted GEMM output (pairs kept only)."""
+    d = y.shape[1]
+    out = torch.empty(N, d, dtype=torch.float32, device=y.device)
+    if N:
+        _combine_kernel[(N, triton.cdiv(d, COMBINE_BLOCK))](
+            y, pair_pos, keep.reshape(-1).contiguous() if keep is not None else pair_pos, out, d, y.stride(0),
+            K=k, HAS_KEEP=keep is not None, BLOCK=COMBINE_BLOCK, num_warps=4)
+    return out

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels import project as project_kernel
 from .ops import apply_rope, index_scores, pool_windows, rms_norm, rope_cos_sin, sink_attention, topk_mask
 from .rope import layer_inv_freq
 
@@ -40,6 +41,11 @@ class AttentionBackend(Protocol):
         compressed entries [G, E, D'] and causal visibility [G, Tq, E] (entry w visible from position t
         iff w < (t+1) // ratio). Entries are made with ``comp.pool``."""
 
+    def write_compressed(self, layer_id: int, name: str, comp: "Compressor", kv: torch.Tensor,
+                         score: torch.Tensor) -> None:
+        """What ``compressed`` writes to the cache, without reading the entries back (a backend without a
+        cache does nothing)."""
+
     def attend(self, q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
         """q [G, Tq, H, D] over the window keys and the selected compressed entries, one softmax with the
         sink -> [G, Tq, H, D]. ``window`` / ``compressed[0]`` are whatever ``window`` / ``compressed``
@@ -63,6 +69,17 @@ def step_rope(backend: AttentionBackend, table: torch.Tensor) -> tuple[torch.Ten
     if hit is None:
         hit = backend.rope_memo[id(table)] = (table, rope_cos_sin(table, backend.positions))
     return hit[1]
+
+
+def joined_rows(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """[kv | score] along the last dim: the buffer itself when they are its two halves (``Compressor.project``
+    on CUDA), else a concatenation."""
+    base = kv._base
+    if (base is not None and score._base is base and base.dim() == 2 and base.is_contiguous()
+            and kv.data_ptr() == base.data_ptr() and score.data_ptr() == base.data_ptr() + kv.shape[-1] * kv.element_size()
+            and base.shape[-1] == kv.shape[-1] + score.shape[-1] and base.shape[0] == kv.shape[0]):
+        return base
+    return torch.cat((kv, score), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -90,7 +107,11 @@ class Compressor(nn.Module):
         self.inv_freq: torch.Tensor | None = None  # the layer's rope table, set by the attention layer
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token rows: kv and score = gate + ape[pos % ratio], both [N, coff*D] fp32."""
+        """Per-token rows: kv and score = gate + ape[pos % ratio], both [N, coff*D] fp32. On CUDA one kernel
+        writes both into one [N, 2*coff*D] buffer and returns its halves (``joined_rows`` gives it back)."""
+        if project_kernel.usable(x):
+            rows = project_kernel.project_rows(self.wkv(x), self.wgate(x), self.ape, positions, self.ratio)
+            return rows.chunk(2, dim=-1)
         kv = self.wkv(x).float()
         score = self.wgate(x).float() + self.ape.float()[positions % self.ratio]
         return kv, score
@@ -131,6 +152,9 @@ class Indexer(nn.Module):
                visible: torch.Tensor, backend: AttentionBackend, layer_id: int) -> torch.Tensor:
         """Returns the selection [G, Tq, E] (a subset of ``visible``)."""
         kv, score = self.compressor.project(x, backend.positions)
+        if visible.shape[-1] <= self.topk:  # at most top-k entries exist: all visible ones are selected, exactly
+            backend.write_compressed(layer_id, "indexer", self.compressor, kv, score)  # later steps need them
+            return visible
         keys, _ = backend.compressed(layer_id, "indexer", self.compressor, kv, score)  # [G, E, dI]
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
         q = apply_rope(q, cos, sin)

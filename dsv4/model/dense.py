@@ -32,6 +32,10 @@ class DenseBackend:
     def window(self, layer_id: int, kv: torch.Tensor):
         return self.group(kv), self._window_mask
 
+    def write_compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor,
+                         score: torch.Tensor) -> None:
+        """Nothing: the dense path keeps no cache."""
+
     def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
         r, B, T = comp.ratio, self.B, self.T
         E = T // r  # complete windows only

@@ -102,7 +102,8 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(d, I, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu_to(self.w1(x), self.w3(x), self.limit, None, x.dtype)).float()
+        """[N, d] in x's dtype (MoE adds it to the fp32 routed sum: the promotion is exact)."""
+        return self.w2(swiglu_to(self.w1(x), self.w3(x), self.limit, None, x.dtype))
 
 
 class MoE(nn.Module):
