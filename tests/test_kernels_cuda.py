@@ -434,3 +434,17 @@ def test_expert_combine_kernel_matches_twin(N, k):
         _poison_allocator(N * d, torch.float32)
         out = _combine(y.cuda(), pair_pos.cuda(), None if kp is None else kp.cuda(), N, k)
         assert torch.isfinite(out).all() and rel_err(out.cpu(), ref) < 1e-6
+
+
+@pytest.mark.parametrize("R, V", [(1, 129280), (33, 129280), (3, 640)])
+def test_two_stage_argmax_equals_argmax(R, V):
+    """sampler.greedy_tokens on CUDA against argmax on the CPU, ties (the first maximum wins) included."""
+    from dsv4.engine.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(R)
+    logits = torch.randn(R, V, generator=g)
+    logits[0, V // 3] = logits[0, 2 * V // 3] = logits[0, V - 1] = 50.0  # a tie across chunks
+    logits[-1, 5] = logits[-1, 6] = 60.0  # a tie inside a chunk
+    ref = logits.argmax(-1)
+    assert ref[-1] == 5 and (R == 1 or ref[0] == V // 3)
+    assert torch.equal(greedy_tokens(logits.cuda()).cpu(), ref)

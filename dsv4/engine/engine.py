@@ -18,8 +18,8 @@ from ..cache.manager import SeqStep
 from ..config import ModelConfig
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request
-from .runner import ModelRunner
-from .sampler import make_generator, probs_from_logits, sample
+from .runner import ModelRunner, TargetOutput
+from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
 from .spec import SpecStats, accept_greedy, accept_sampled
@@ -125,7 +125,7 @@ class LLMEngine:
         """Target forward, verify/sample, MTP proposal. Returns accepted counts and emitted tokens."""
         target = self.runner.forward(seqs, plan)
         greedy = self._greedy_ids([lg if s.sample and s.request.params.greedy else None
-                                   for s, lg in zip(seqs, target.logits)])
+                                   for s, lg in zip(seqs, target.logits)], target)
         accepted, emitted = [], []
         for s, logits, ids in zip(seqs, target.logits, greedy):
             if not s.sample:
@@ -152,19 +152,23 @@ class LLMEngine:
         return accepted, emitted
 
     @staticmethod
-    def _greedy_ids(logits: list[torch.Tensor | None]) -> list[list[int] | None]:
-        """The argmax of every given [rows, V] block, in one device op and one host sync for the batch."""
-        given = [lg for lg in logits if lg is not None]
-        if not given:
+    def _greedy_ids(logits: list[torch.Tensor | None], target: TargetOutput) -> list[list[int] | None]:
+        """The argmax of every given [rows, V] block, in one device op and one host sync for the batch (over
+        all of ``target.rows`` when it is at hand: no concatenation; the rows of unsampled or non-greedy
+        seqs are computed and dropped)."""
+        if all(lg is None for lg in logits):
             return [None] * len(logits)
-        flat = torch.cat(given).argmax(-1).tolist()
+        if target.rows is not None:
+            flat = greedy_tokens(target.rows).tolist()
+            blocks = target.logits
+        else:
+            flat = greedy_tokens(torch.cat([lg for lg in logits if lg is not None])).tolist()
+            blocks = logits
         out, off = [], 0
-        for lg in logits:
-            if lg is None:
-                out.append(None)
-            else:
-                out.append(flat[off:off + lg.shape[0]])
-                off += lg.shape[0]
+        for lg, blk in zip(logits, blocks):
+            n = 0 if blk is None else blk.shape[0]
+            out.append(None if lg is None else flat[off:off + n])
+            off += n
         return out
 
     def _verify_sampled(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
@@ -176,7 +180,7 @@ class LLMEngine:
                       keep: dict) -> list[int]:
         """Draft tokens of batch rows ``rows`` from their MTP logits [len(rows), V]: greedy rows take the
         argmax (one sync for all of them), sampled rows draw from q and keep it for verification."""
-        greedy = logits.argmax(-1).tolist() if any(seqs[b].request.params.greedy for b in rows) else None
+        greedy = greedy_tokens(logits).tolist() if any(seqs[b].request.params.greedy for b in rows) else None
         out = []
         for i, b in enumerate(rows):
             req = seqs[b].request

@@ -68,6 +68,7 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
 class TargetOutput:
     streams: torch.Tensor  # [N_pad, n, d] last-layer hc streams
     logits: list[torch.Tensor | None]  # per seq: [rows, V] at its sampled / verify rows, None if not sampled
+    rows: torch.Tensor | None = None  # the same rows as one [R, V] tensor, seqs in order (None: not at hand)
 
 
 class ModelRunner:
@@ -190,7 +191,7 @@ class ModelRunner:
         for c in counts:
             per_seq.append(logits[off:off + c] if c else None)
             off += c
-        return TargetOutput(X, per_seq)
+        return TargetOutput(X, per_seq, logits)
 
     @torch.no_grad()
     def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, num_accepted: list[int],

@@ -24,6 +24,21 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return probs
 
 
+ARGMAX_CHUNKS = 64
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [R, V] (the first maximum, as ``argmax``). On a GPU one row's argmax is one
+    thread block; in two stages (the best of each of 64 chunks of the row, then the best chunk) the chunks run
+    in parallel: a batch-1 argmax over 129k logits took 27 us as one block. ``argmax`` is its twin."""
+    R, V = logits.shape
+    if not logits.is_cuda or V % ARGMAX_CHUNKS or R == 0:
+        return logits.argmax(-1)
+    vals, idx = logits.reshape(R, ARGMAX_CHUNKS, V // ARGMAX_CHUNKS).max(-1)  # first maximum of each chunk
+    best = vals.argmax(-1)  # the first chunk holding the row's maximum
+    return best * (V // ARGMAX_CHUNKS) + idx.gather(1, best[:, None]).squeeze(1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of [R, V] probabilities -> [R] token ids."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
