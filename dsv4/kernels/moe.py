@@ -10,6 +10,10 @@ N*k + E*(BLOCK_M-1)), so the whole thing can be captured in a CUDA graph. The pl
     sorted by expert:   [e0 e0 e0 | e1 | e3 e3 | ...]          (argsort, stable)
     padded segments:    [e0 e0 e0 - | e1 - - - | e3 e3 - - | ...]   each a multiple of BLOCK_M rows
     block b -> expert of the segment holding row b*BLOCK_M (or -1 past the end: the block exits)
+
+Around the GEMMs: for small batches one Triton program computes that layout (``_align_kernel``, twin
+``align_torch``), SwiGLU with the routing weight is one kernel, and one kernel sums each token's rows of the
+last GEMM back (``_combine_kernel``, twin: the gather and sum at the end of ``grouped_experts``).
 """
 
 from __future__ import annotations
