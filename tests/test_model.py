@@ -131,8 +131,8 @@ def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
     for topk in (E, E + 5):  # the skip is taken
         idx.topk = topk
         got = idx.select(x, c_q, cos, sin, visible, backend, blk.attn.layer_id)
-        kv, score = idx.compressor.project(x, backend.positions)
-        keys, _ = backend.compressed(blk.attn.layer_id, "indexer", idx.compressor, kv, score)
+        rows = idx.compressor.project(x, backend.positions)
+        keys, _ = backend.compressed(blk.attn.layer_id, "indexer", idx.compressor, rows)
         q = idx.wq_b(c_q).unflatten(-1, (idx.n_heads, idx.head_dim))
         scores = index_scores(backend.group(apply_rope(q, cos, sin)), backend.group(idx.weights_proj(x)), keys,
                               idx.n_heads, idx.head_dim)

@@ -90,6 +90,12 @@ class CacheLayout:
         """Rows of one request's compressor-state ring: coff*r + max_draft_len (R4)."""
         return self.coff(r) * r + self.max_draft_len
 
+    @staticmethod
+    def step_base(cap: int, num_slots: int) -> int:
+        """Rows of a per-slot ring of ``cap`` rows (null slot 0 included): in a step plan's combined index
+        space, indices at or above this are the step's own rows (plan.py)."""
+        return (num_slots + 1) * cap
+
     def entries_per_block(self, r: int) -> int:
         self._check_ratio(r)
         return self.tokens_per_block // r

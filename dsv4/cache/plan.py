@@ -205,8 +205,12 @@ class StepPlan:
     num_windows: Mapping[int, int]  # real windows closed in this step, per ratio
     layout: CacheLayout
     num_slots: int
-    swa_step_base: int          # (num_slots + 1) * swa_cap: combined SWA indices >= this are step rows
     rows: torch.Tensor          # the flat per-row vector (PlanShape.row_vector_size) on the plan's device
+
+    @property
+    def swa_step_base(self) -> int:
+        """Combined SWA indices at or above this are step rows."""
+        return self.layout.step_base(self.layout.swa_cap, self.num_slots)
 
     @cached_property
     def tables(self) -> PlanTables:
@@ -282,7 +286,7 @@ def _assemble(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor, t: dict
     for r in layout.ratios:
         ratio[r] = RatioTables(
             ratio=r, coff=layout.coff(r), state_cap=layout.state_cap(r),
-            state_step_base=(num_slots + 1) * layout.state_cap(r),
+            state_step_base=layout.step_base(layout.state_cap(r), num_slots),
             num_windows=None if num_windows is None else num_windows[r],
             **{k: t[r, k] for k in ("state_write", "win_token", "win_seq", "win_index", "win_pos", "win_write",
                                     "win_active", "win_rows", "win_valid", "entry_count", "entry_rows",
@@ -316,7 +320,7 @@ def expand_rows_torch(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor,
         return torch.where(real & (off >= n_tok - cap), slot_t * cap + pos % cap, 0)
 
     # SWA: key i of the query at t is position t - W + 1 + i; combined index: ring rows, then step rows
-    swa_base = (num_slots + 1) * S
+    swa_base = layout.step_base(S, num_slots)
     kp = pos[:, None] - (W - 1) + torch.arange(W, dtype=_I64, device=dev)[None, :]       # [N, W]
     swa_valid = (kp >= 0) & real[:, None]
     ring = slot_t[:, None] * S + kp.clamp(min=0) % S
@@ -341,7 +345,7 @@ def expand_rows_torch(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor,
         Cw, qsw = C[ws], qs[ws]
         # columns: positions (w - coff + 1)*r .. (w+1)*r - 1; for CSA the first r are the previous window
         # (the model takes their A-halves) and the last r this window (B-halves)
-        state_base = (num_slots + 1) * cap
+        state_base = layout.step_base(cap, num_slots)
         q = (w - coff + 1)[:, None] * r + torch.arange(coff * r, dtype=_I64, device=dev)[None, :]  # [M, coff*r]
         win_valid = (q >= 0) & active[:, None]
         win_rows = torch.where(q >= Cw[:, None], state_base + qsw[:, None] + q - Cw[:, None],
@@ -418,5 +422,5 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         num_new=tuple(num_new), draft_lens=tuple(draft_lens), slot_ids=tuple(slots),
         block_ids=tuple(tuple(b) for b in block_tables), num_tokens=N, num_seqs=B, shape=shape,
         num_windows=MappingProxyType(real_windows), layout=layout, num_slots=num_slots,
-        swa_step_base=(num_slots + 1) * layout.swa_cap, rows=_to_device(rows, device),
+        rows=_to_device(rows, device),
     )

@@ -14,7 +14,7 @@ import torch
 from ..cache.ops import gather_combined
 from ..cache.storage import CacheStorage
 from ..kernels import pool as pool_kernel
-from ..model.attention import Compressor, attend_gathered, joined_rows
+from ..model.attention import Compressor, attend_gathered
 
 
 class MissingTableError(RuntimeError):
@@ -54,8 +54,8 @@ class CachedBackend:
         st.write_swa(layer_id, self.swa_write, kv)
         return keys, self.swa_valid.unsqueeze(1)
 
-    def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
-        t = self._write_compressed(layer_id, name, comp, kv, score)
+    def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
+        t = self.write_compressed(layer_id, name, comp, rows)
         st = self.storage
         if name == "main":
             visible = st.gather_entries(layer_id, t.entry_rows, t.entry_valid)  # [N, E, D]
@@ -63,11 +63,9 @@ class CachedBackend:
             visible = st.gather_index_keys(layer_id, t.entry_rows, t.entry_valid)
         return visible, t.entry_valid.unsqueeze(1)
 
-    def write_compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
-        self._write_compressed(layer_id, name, comp, kv, score)
-
-    def _write_compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
-        """Write this step's compressor-state rows and the entries of the windows closing in this step."""
+    def write_compressed(self, layer_id: int, name: str, comp: Compressor, step_rows: torch.Tensor):
+        """Write this step's compressor-state rows and the entries of the windows closing in this step;
+        returns the ratio's tables."""
         st, t = self.storage, self.ratio_tables.get(comp.ratio)
         if t is None:
             raise MissingTableError(f"layer {layer_id} ({name} compressor) needs the step plan's ratio-{comp.ratio}"
@@ -75,7 +73,6 @@ class CachedBackend:
                                     f" {sorted(self.ratio_tables)}); build it with CachedBackend.for_step(plan,"
                                     " storage) from a plan of the same cache layout")
         state = st.state[layer_id] if name == "main" else st.index_state[layer_id]  # [rows, 2*coff*D'] fp32
-        step_rows = joined_rows(kv, score)
         if pool_kernel.usable(state):  # one kernel reads the window rows in place; the lines below are its twin
             pooled = pool_kernel.pool_rows(state, step_rows, t.win_rows, t.win_valid, comp.ratio, comp.coff,
                                            comp.head_dim)

@@ -43,9 +43,11 @@ class CudaBackend(CachedBackend):
         self.ring_rows = torch.where(own, self.swa_write[step_idx], self.swa_read)
 
     @classmethod
-    def for_step(cls, plan, storage) -> "CudaBackend":
+    def for_step(cls, plan, storage, swa_step_base: int | None = None) -> "CudaBackend":
+        """``plan``: a StepPlan, or a PlanTables with ``swa_step_base`` given (a CUDA graph's own expansion)."""
+        base = plan.swa_step_base if swa_step_base is None else swa_step_base
         return cls(storage, plan.positions, plan.swa_read, plan.swa_valid, plan.swa_write, plan.ratio_tables,
-                   swa_step_base=plan.swa_step_base)
+                   swa_step_base=base)
 
     @classmethod
     def for_draft(cls, tables, storage, swa_step_base: int) -> "CudaBackend":
@@ -62,11 +64,10 @@ class CudaBackend(CachedBackend):
         self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
         return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid)
 
-    def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
+    def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
         if name != "main":  # the indexer scores gathered keys (plain torch for now)
-            return super().compressed(layer_id, name, comp, kv, score)
-        self._write_compressed(layer_id, name, comp, kv, score)
-        t = self.ratio_tables[comp.ratio]
+            return super().compressed(layer_id, name, comp, rows)
+        t = self.write_compressed(layer_id, name, comp, rows)
         return CacheRows(self.storage.entries[layer_id], t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
 
     def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float):

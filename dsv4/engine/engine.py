@@ -153,19 +153,15 @@ class LLMEngine:
 
     @staticmethod
     def _greedy_ids(logits: list[torch.Tensor | None], target: TargetOutput) -> list[list[int] | None]:
-        """The argmax of every given [rows, V] block, in one device op and one host sync for the batch (over
-        all of ``target.rows`` when it is at hand: no concatenation; the rows of unsampled or non-greedy
-        seqs are computed and dropped)."""
+        """The argmax of every given [rows, V] block, in one device op and one host sync for the batch: over
+        all of the step's logit rows (``target.rows``, or their concatenation when a multi-rank lane split
+        left them apart); the rows of non-greedy seqs are computed and dropped."""
         if all(lg is None for lg in logits):
             return [None] * len(logits)
-        if target.rows is not None:
-            flat = greedy_tokens(target.rows).tolist()
-            blocks = target.logits
-        else:
-            flat = greedy_tokens(torch.cat([lg for lg in logits if lg is not None])).tolist()
-            blocks = logits
+        rows = target.rows if target.rows is not None else torch.cat([b for b in target.logits if b is not None])
+        flat = greedy_tokens(rows).tolist()
         out, off = [], 0
-        for lg, blk in zip(logits, blocks):
+        for lg, blk in zip(logits, target.logits):
             n = 0 if blk is None else blk.shape[0]
             out.append(None if lg is None else flat[off:off + n])
             off += n

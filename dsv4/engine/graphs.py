@@ -89,11 +89,11 @@ class GraphRunner:
 
     @property
     def _swa_base(self) -> int:
-        return (self.storage.num_slots + 1) * self.storage.layout.swa_cap
+        lay = self.storage.layout
+        return lay.step_base(lay.swa_cap, self.storage.num_slots)
 
     def _backend(self, t) -> CudaBackend:
-        return CudaBackend(self.storage, t.positions, t.swa_read, t.swa_valid, t.swa_write, t.ratio_tables,
-                           swa_step_base=self._swa_base)
+        return CudaBackend.for_step(t, self.storage, self._swa_base)
 
     def _target(self, bk: _Bucket):
         st = self.storage
@@ -112,9 +112,7 @@ class GraphRunner:
                              window=lay.window, swa_cap=lay.swa_cap, swa_step_base=self._swa_base)
         st = tables.step_tables(j, bk.new_lens)
         X_in = bk.draft_in if j == 2 else bk.draft_out[j - 1][0]
-        backend = CudaBackend(self.storage, st.positions, st.swa_read, st.swa_valid, st.swa_write,
-                              swa_step_base=self._swa_base)
-        X = self.model.mtp_streams(X_in, bk.draft_ids[j], backend)
+        X = self.model.mtp_streams(X_in, bk.draft_ids[j], CudaBackend.for_draft(st, self.storage, self._swa_base))
         return X, self.model.mtp_logits_from_streams(X)
 
     def _run(self, bk: _Bucket, name: str, fn):

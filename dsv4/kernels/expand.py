@@ -139,7 +139,7 @@ def expand(layout, shape, rows: torch.Tensor, num_slots: int) -> dict:
                swa_read=torch.empty(N, W, **i64), swa_valid=torch.empty(N, W, dtype=torch.bool, device=dev),
                swa_write=torch.empty(N, **i64))
     _expand_tokens[(max(1, triton.cdiv(N, BLOCK_T)),)](
-        rows, B, N, S, (num_slots + 1) * S, out["positions"], out["token_seq"], out["query_start"],
+        rows, B, N, S, layout.step_base(S, num_slots), out["positions"], out["token_seq"], out["query_start"],
         out["last_token_index"], out["swa_read"], out["swa_valid"], out["swa_write"], W=W,
         WP=triton.next_power_of_2(W), BP=BP, BT=BLOCK_T, num_warps=4)
     windows, entries = dict(shape.windows), dict(shape.entries)
@@ -160,7 +160,7 @@ def expand(layout, shape, rows: torch.Tensor, num_slots: int) -> dict:
         t["win_valid"] = torch.empty(M, coff * r, dtype=torch.bool, device=dev)
         if M:
             _expand_windows[(triton.cdiv(M, BLOCK_W),)](
-                rows, B, M, nb, r, cap, epb, (num_slots + 1) * cap, t["win_token"], t["win_seq"], t["win_index"],
+                rows, B, M, nb, r, cap, epb, layout.step_base(cap, num_slots), t["win_token"], t["win_seq"], t["win_index"],
                 t["win_pos"], t["win_write"], t["win_active"], t["win_rows"], t["win_valid"], COFF=coff,
                 JP=triton.next_power_of_2(coff * r), BP=BP, BW=BLOCK_W, num_warps=4)
         out.update({(r, k): v for k, v in t.items()})

@@ -3,7 +3,7 @@ below the state's row count reads the compressor-state ring, one at or above it 
 (plan.py's combined index space). Per channel, a softmax over the window's valid slots weights the kv
 values; for ratio 4 (coff = 2) the first ``ratio`` slots take their rows' A-halves and the last ``ratio``
 their B-halves. The plain-torch twin is ``gather_combined`` + ``Compressor.pool``'s halves +
-``ops.pool_windows`` (what ``CachedBackend._write_compressed`` runs off the GPU)."""
+``ops.pool_windows`` (what ``CachedBackend.write_compressed`` runs off the GPU)."""
 
 from __future__ import annotations
 

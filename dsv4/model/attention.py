@@ -35,14 +35,13 @@ class AttentionBackend(Protocol):
     def window(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's kv [N, D] -> sliding-window keys [G, K, D] and visibility [G, Tq, K]."""
 
-    def compressed(self, layer_id: int, name: str, comp: "Compressor", kv: torch.Tensor,
-                   score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's compressor rows (kv, score: [N, coff*D'] fp32; name "main" or "indexer") ->
+    def compressed(self, layer_id: int, name: str, comp: "Compressor",
+                   rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's compressor rows ([N, 2*coff*D'] fp32: kv, then score; name "main" or "indexer") ->
         compressed entries [G, E, D'] and causal visibility [G, Tq, E] (entry w visible from position t
         iff w < (t+1) // ratio). Entries are made with ``comp.pool``."""
 
-    def write_compressed(self, layer_id: int, name: str, comp: "Compressor", kv: torch.Tensor,
-                         score: torch.Tensor) -> None:
+    def write_compressed(self, layer_id: int, name: str, comp: "Compressor", rows: torch.Tensor) -> None:
         """What ``compressed`` writes to the cache, without reading the entries back (a backend without a
         cache does nothing)."""
 
@@ -71,17 +70,6 @@ def step_rope(backend: AttentionBackend, table: torch.Tensor) -> tuple[torch.Ten
     return hit[1]
 
 
-def joined_rows(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """[kv | score] along the last dim: the buffer itself when they are its two halves (``Compressor.project``
-    on CUDA), else a concatenation."""
-    base = kv._base
-    if (base is not None and score._base is base and base.dim() == 2 and base.is_contiguous()
-            and kv.data_ptr() == base.data_ptr() and score.data_ptr() == base.data_ptr() + kv.shape[-1] * kv.element_size()
-            and base.shape[-1] == kv.shape[-1] + score.shape[-1] and base.shape[0] == kv.shape[0]):
-        return base
-    return torch.cat((kv, score), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -106,15 +94,15 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
         self.inv_freq: torch.Tensor | None = None  # the layer's rope table, set by the attention layer
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token rows: kv and score = gate + ape[pos % ratio], both [N, coff*D] fp32. On CUDA one kernel
-        writes both into one [N, 2*coff*D] buffer and returns its halves (``joined_rows`` gives it back)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token rows [N, 2*coff*D] fp32: kv, then score = gate + ape[pos % ratio] (the layout of the
+        compressor-state ring). On CUDA one kernel writes them (``dsv4.kernels.project``); the lines below are
+        its twin."""
         if project_kernel.usable(x):
-            rows = project_kernel.project_rows(self.wkv(x), self.wgate(x), self.ape, positions, self.ratio)
-            return rows.chunk(2, dim=-1)
+            return project_kernel.project_rows(self.wkv(x), self.wgate(x), self.ape, positions, self.ratio)
         kv = self.wkv(x).float()
         score = self.wgate(x).float() + self.ape.float()[positions % self.ratio]
-        return kv, score
+        return torch.cat((kv, score), dim=-1)
 
     def pool(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, valid: torch.Tensor,
              window_pos: torch.Tensor) -> torch.Tensor:
@@ -151,11 +139,11 @@ class Indexer(nn.Module):
     def select(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                visible: torch.Tensor, backend: AttentionBackend, layer_id: int) -> torch.Tensor:
         """Returns the selection [G, Tq, E] (a subset of ``visible``)."""
-        kv, score = self.compressor.project(x, backend.positions)
+        rows = self.compressor.project(x, backend.positions)
         if visible.shape[-1] <= self.topk:  # at most top-k entries exist: all visible ones are selected, exactly
-            backend.write_compressed(layer_id, "indexer", self.compressor, kv, score)  # later steps need them
+            backend.write_compressed(layer_id, "indexer", self.compressor, rows)  # later steps need them
             return visible
-        keys, _ = backend.compressed(layer_id, "indexer", self.compressor, kv, score)  # [G, E, dI]
+        keys, _ = backend.compressed(layer_id, "indexer", self.compressor, rows)  # [G, E, dI]
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
         q = apply_rope(q, cos, sin)
         w = self.weights_proj(x)  # [N, nI]
@@ -211,8 +199,8 @@ class Attention(nn.Module):
         window = backend.window(self.layer_id, kv)
         compressed = None
         if self.compressor is not None:
-            ckv, cscore = self.compressor.project(x, backend.positions)
-            entries, visible = backend.compressed(self.layer_id, "main", self.compressor, ckv, cscore)
+            rows = self.compressor.project(x, backend.positions)
+            entries, visible = backend.compressed(self.layer_id, "main", self.compressor, rows)
             if self.indexer is not None:
                 visible = self.indexer.select(x, c_q, cos, sin, visible, backend, self.layer_id)
             compressed = (entries, visible)

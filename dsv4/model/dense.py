@@ -32,11 +32,11 @@ class DenseBackend:
     def window(self, layer_id: int, kv: torch.Tensor):
         return self.group(kv), self._window_mask
 
-    def write_compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor,
-                         score: torch.Tensor) -> None:
+    def write_compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor) -> None:
         """Nothing: the dense path keeps no cache."""
 
-    def compressed(self, layer_id: int, name: str, comp: Compressor, kv: torch.Tensor, score: torch.Tensor):
+    def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
+        kv, score = rows.chunk(2, dim=-1)
         r, B, T = comp.ratio, self.B, self.T
         E = T // r  # complete windows only
         if E == 0:
