@@ -17,7 +17,10 @@ def kernel_path_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k):
+def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k, monkeypatch):
+    selections = []  # the indexer's compacted top-k rows (tiny: index_topk 3) are what attention reads
+    select = cuda_backend.select_top_rows
+    monkeypatch.setattr(cuda_backend, "select_top_rows", lambda *a: selections.append(a[-1]) or select(*a))
     rng = random.Random(k)
     prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -32,6 +35,7 @@ def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k):
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out == ref
     assert graphs.num_replays > 0  # 5 decoding requests padded to the 8 bucket
+    assert selections and set(selections) == {3}
     # the graph expands its own copy of the per-row vector: no graphed step built its plan's tables
     assert replayed and not any("tables" in vars(p) for p in replayed)
 

@@ -444,3 +444,53 @@ def test_two_stage_argmax_equals_argmax(R, V):
     ref = logits.argmax(-1)
     assert ref[-1] == 5 and (R == 1 or ref[0] == V // 3)
     assert torch.equal(greedy_tokens(logits.cuda()).cpu(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N, nI, dI, R, E, k", [(1, 64, 128, 3000, 2048, 512), (33, 64, 128, 900, 700, 512),
+                                                (5, 16, 16, 60, 40, 3), (4, 4, 24, 30, 20, 25)])
+def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
+    """dsv4.kernels.indexer: the scores kernel against the gathered torch scores (float64), and the top-k kernel
+    against the stable-sort twin on the same scores, exactly (rows, order, validity), ties included."""
+    from dsv4.kernels.indexer import index_scores_cuda, index_scores_torch, topk_rows_cuda, topk_rows_torch
+
+    g = torch.Generator(device="cuda").manual_seed(N * 7 + E)
+    q = torch.randn(N, nI, dI, device="cuda", generator=g).to(dtype)
+    w = torch.randn(N, nI, device="cuda", generator=g).to(dtype)
+    keys = torch.randn(R, dI, device="cuda", generator=g).to(dtype)
+    rows = torch.randint(0, R, (N, E), device="cuda", generator=g)
+    valid = torch.rand(N, E, device="cuda", generator=g) < 0.8
+    valid[0, : E // 2] = False  # a token whose entries are all in the second half
+    if N > 2:
+        valid[2] = False
+        valid[2, : min(k, E) - 1] = True  # fewer than k visible
+    ref = index_scores_torch(q.double(), w.double(), keys.double(), rows, valid)
+    _poison_allocator(N * E, torch.float32)
+    scores = index_scores_cuda(q, w, keys, rows, valid)
+    assert torch.equal(scores.isfinite(), valid)
+    assert rel_err(scores[valid], ref[valid]) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    quant = (scores * 4).round() / 4  # many ties, -0.0 among them
+    for s in (scores, quant):
+        _poison_allocator(N * k, torch.int64)
+        got_rows, got_valid = topk_rows_cuda(s, rows, k)
+        want_rows, want_valid = topk_rows_torch(s, rows, k)
+        assert torch.equal(got_valid, want_valid) and torch.equal(got_rows, want_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape, R, weighted", [((7, 64, 512), 64, False), ((33, 512), 64, True),
+                                                ((5, 128), 64, True), ((3, 4, 32), 16, False), ((1, 512), 64, True)])
+def test_rms_norm_rope_kernel_matches_twin(dtype, shape, R, weighted):
+    """The fused norm + rope (q per head, the K=V head, compressor entries) against rope(norm(x)) on the CPU."""
+    from dsv4.model.ops import apply_rope, rms_norm, rms_norm_rope
+
+    g = torch.Generator(device="cuda").manual_seed(shape[-1] + R)
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(shape[-1], device="cuda", generator=g) + 0.5).to(dtype) if weighted else None
+    ang = torch.randn(shape[0], R // 2, device="cuda", generator=g) * 3
+    cos, sin = ang.cos(), ang.sin()
+    ref = apply_rope(rms_norm(x.cpu(), None if w is None else w.cpu(), 1e-6), cos.cpu(), sin.cpu())
+    _poison_allocator(x.numel(), dtype)
+    out = rms_norm_rope(x, w, 1e-6, cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape and torch.isfinite(out).all()
+    assert rel_err(out.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-6)

@@ -130,7 +130,9 @@ def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
     visible = torch.rand(B, T, E) < 0.6
     for topk in (E, E + 5):  # the skip is taken
         idx.topk = topk
-        got = idx.select(x, c_q, cos, sin, visible, backend, blk.attn.layer_id)
+        entries = torch.randn(B, E, cfg.head_dim)
+        got_entries, got = idx.select(x, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
+        assert got_entries is entries
         rows = idx.compressor.project(x, backend.positions)
         keys, _ = backend.compressed(blk.attn.layer_id, "indexer", idx.compressor, rows)
         q = idx.wq_b(c_q).unflatten(-1, (idx.n_heads, idx.head_dim))
@@ -138,5 +140,37 @@ def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
                               idx.n_heads, idx.head_dim)
         assert torch.equal(got, topk_mask(scores, visible, topk)) and torch.equal(got, visible)
     idx.topk = 2  # fewer than E: the scores decide, and only 2 per query survive
-    got = idx.select(x, c_q, cos, sin, visible, backend, blk.attn.layer_id)
+    _, got = idx.select(x, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
     assert (got.sum(-1) <= 2).all() and not (got & ~visible).any() and got.sum() < visible.sum()
+
+
+def test_topk_rows_twin_selects_what_the_mask_selects():
+    """The CUDA backend's compacted selection (rows of the top-k in column order; the kernels' twin) names the
+    same entries as ``topk_mask``; ties go to the lowest column, and short rows leave invalid slots."""
+    from dsv4.kernels.indexer import index_scores_torch, topk_rows_torch
+    from dsv4.model.ops import index_scores, topk_mask
+
+    g = torch.Generator().manual_seed(1)
+    N, E, nI, dI, R = 6, 40, 4, 8, 50
+    q, w, keys = torch.randn(N, nI, dI, generator=g), torch.randn(N, nI, generator=g), torch.randn(R, dI, generator=g)
+    rows = torch.randint(1, R, (N, E), generator=g)
+    valid = torch.rand(N, E, generator=g) < 0.7
+    valid[0] = False
+    valid[1] = False
+    valid[1, [3, 17]] = True  # fewer than k visible
+    scores = index_scores_torch(q, w, keys, rows, valid)
+    ref = index_scores(q.unsqueeze(1), w.unsqueeze(1), keys[rows], nI, dI).squeeze(1)
+    assert torch.equal(scores.isfinite(), valid) and torch.allclose(scores[valid], ref[valid])
+    for k in (1, 5, E):
+        got_rows, got_valid = topk_rows_torch(scores, rows, k)
+        mask = topk_mask(scores.unsqueeze(1), valid.unsqueeze(1), k).squeeze(1)
+        assert got_valid.shape == (N, min(k, E)) and torch.equal(got_valid.sum(1), mask.sum(1))
+        for n in range(N):
+            cols = mask[n].nonzero().flatten()
+            assert torch.equal(got_rows[n, : len(cols)], rows[n, cols])  # column order
+            assert not got_valid[n, len(cols):].any() and not got_rows[n, len(cols):].any()
+    tied = torch.tensor([[1.0, 2.0, 2.0, 0.0, -0.0, 2.0, float("-inf"), 0.0]])
+    cols = torch.arange(8).unsqueeze(0)
+    assert topk_rows_torch(tied, cols, 2)[0].tolist() == [[1, 2]]
+    assert topk_rows_torch(tied, cols, 5)[0].tolist() == [[0, 1, 2, 3, 5]]
+    assert topk_rows_torch(tied, cols, 8)[1].tolist() == [[True] * 7 + [False]]

@@ -14,7 +14,7 @@ import torch
 from ..cache.ops import gather_combined
 from ..cache.storage import CacheStorage
 from ..kernels import pool as pool_kernel
-from ..model.attention import Compressor, attend_gathered
+from ..model.attention import Compressor, attend_gathered, select_top_gathered
 
 
 class MissingTableError(RuntimeError):
@@ -41,6 +41,7 @@ class CachedBackend:
         return cls(storage, tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write)
 
     attend = staticmethod(attend_gathered)
+    select_top = staticmethod(select_top_gathered)
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(1)

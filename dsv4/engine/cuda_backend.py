@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.indexer import select_top_rows
 from ..kernels.sparse_attention import sparse_sink_attention
 from ..model.attention import Compressor
 from .backend import CachedBackend
@@ -65,10 +66,17 @@ class CudaBackend(CachedBackend):
         return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid)
 
     def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
-        if name != "main":  # the indexer scores gathered keys (plain torch for now)
-            return super().compressed(layer_id, name, comp, rows)
         t = self.write_compressed(layer_id, name, comp, rows)
-        return CacheRows(self.storage.entries[layer_id], t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
+        st = self.storage
+        keys = st.entries[layer_id] if name == "main" else st.index_keys[layer_id]
+        return CacheRows(keys, t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
+
+    def select_top(self, compressed, q: torch.Tensor, w: torch.Tensor, keys: CacheRows, k: int):
+        """Score the index keys where they lie and keep k entry rows per token (``dsv4.kernels.indexer``): the
+        attention kernel then reads k entries instead of all visible ones."""
+        entries, _ = compressed
+        rows, valid = select_top_rows(q[:, 0], w[:, 0], keys.storage, keys.index, keys.valid, k)
+        return CacheRows(entries.storage, rows, valid), valid.unsqueeze(1)
 
     def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float):
         sources = [(window.storage, window.index, window.valid)]

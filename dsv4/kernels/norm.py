@@ -1,5 +1,11 @@
 """RMSNorm in one kernel: fp32 statistics and scaling, one rounding to the input dtype. The plain-torch twin
-is the CPU branch of ``dsv4.model.ops.rms_norm`` (float, square, mean, rsqrt, two products, to)."""
+is the CPU branch of ``dsv4.model.ops.rms_norm`` (float, square, mean, rsqrt, two products, to).
+
+``rms_norm_rope`` fuses the RoPE that follows every norm of a key or query (q per head, the K=V head, the
+compressors' entries): the normed row is rounded to the input dtype, then rotated in fp32 like
+``dsv4.kernels.rope`` (no fused multiply-adds), then rounded again; its twin is
+``apply_rope(rms_norm(x, w, eps), cos, sin)``. Even and odd channels are loaded as two halves, so a pair's
+partner is in registers."""
 
 from __future__ import annotations
 
@@ -23,6 +29,35 @@ if HAVE_TRITON:
         tl.store(OUT + r * stride_o + c, y.to(OUT.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _rms_norm_rope_kernel(X, W, COS, SIN, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh, stride_cn, eps,
+                              D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+        n = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        i = tl.arange(0, D // 2)  # pair (2i, 2i+1)
+        m = (h < Hm)[:, None]
+        src = X + n * stride_xn + h[:, None] * stride_xh + 2 * i[None, :]
+        a = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
+        a = a * rstd[:, None]
+        b = b * rstd[:, None]
+        if HAS_W:
+            a = tl.load(W + 2 * i).to(tl.float32)[None, :] * a
+            b = tl.load(W + 2 * i + 1).to(tl.float32)[None, :] * b
+        a = a.to(OUT.dtype.element_ty).to(tl.float32)  # the norm's rounding, as in the two-kernel path
+        b = b.to(OUT.dtype.element_ty).to(tl.float32)
+        in_rope = i >= (D - R) // 2
+        j = tl.where(in_rope, i - (D - R) // 2, 0)
+        cs = tl.load(COS + n * stride_cn + j, mask=in_rope, other=1.0)[None, :]
+        sn = tl.load(SIN + n * stride_cn + j, mask=in_rope, other=0.0)[None, :]
+        ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
+        rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
+        dst = OUT + n * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
+        tl.store(dst, ra.to(OUT.dtype.element_ty), mask=m)
+        tl.store(dst + 1, rb.to(OUT.dtype.element_ty), mask=m)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
@@ -34,4 +69,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, x2.stride(0), out.stride(0), d, eps,
                                          HAS_W=weight is not None, DP=DP, num_warps=8 if DP >= 2048 else 4)
+    return out.view(x.shape)
+
+
+def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The fused kernel's case: x [N, ..., D] with D a power of two, cos/sin [N, R/2] fp32."""
+    D = x.shape[-1] if x.dim() else 0
+    return (HAVE_TRITON and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.numel() > 0
+            and D >= 2 and D & (D - 1) == 0 and 2 * cos.shape[-1] <= D and cos.dtype == torch.float32)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    N, D = x.shape[0], x.shape[-1]
+    x3 = x.reshape(N, -1, D)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    Hm = x3.shape[1]
+    BLOCK_H = max(1, min(triton.next_power_of_2(Hm), 4096 // D))
+    w = weight.contiguous() if weight is not None else x3
+    _rms_norm_rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
+        x3, w, cos, sin, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), eps,
+        D=D, R=2 * cos.shape[-1], HAS_W=weight is not None, BLOCK_H=BLOCK_H, enable_fp_fusion=False,
+        num_warps=4 if BLOCK_H * D <= 2048 else 8)
     return out.view(x.shape)

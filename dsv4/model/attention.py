@@ -16,7 +16,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import project as project_kernel
-from .ops import apply_rope, index_scores, pool_windows, rms_norm, rope_cos_sin, sink_attention, topk_mask
+from .ops import (apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, rope_cos_sin, sink_attention,
+                  topk_mask)
 from .rope import layer_inv_freq
 
 
@@ -45,6 +46,12 @@ class AttentionBackend(Protocol):
         """What ``compressed`` writes to the cache, without reading the entries back (a backend without a
         cache does nothing)."""
 
+    def select_top(self, compressed, q: torch.Tensor, w: torch.Tensor, keys, k: int):
+        """The lightning indexer's top-k: ``compressed`` (what ``compressed(.., "main", ..)`` returned), the
+        indexer's roped queries q [G, Tq, nI, dI], head weights w [G, Tq, nI] and ``keys`` (what
+        ``compressed(.., "indexer", ..)`` returned) -> the same kind of pair with only the k highest-scoring
+        visible entries of each query left visible (all of them when it sees at most k)."""
+
     def attend(self, q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
         """q [G, Tq, H, D] over the window keys and the selected compressed entries, one softmax with the
         sink -> [G, Tq, H, D]. ``window`` / ``compressed[0]`` are whatever ``window`` / ``compressed``
@@ -59,6 +66,14 @@ def attend_gathered(q: torch.Tensor, window, compressed, sink: torch.Tensor, sca
         keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
         mask = torch.cat((mask, visible), dim=-1)
     return sink_attention(q, keys, mask, sink, scale)
+
+
+def select_top_gathered(compressed, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int):
+    """``select_top`` for backends whose entries and index keys are gathered tensors: score every entry, keep a
+    mask of the top k."""
+    entries, visible = compressed
+    scores = index_scores(q, w, keys, q.shape[-2], q.shape[-1])
+    return entries, topk_mask(scores, visible, k)
 
 
 def step_rope(backend: AttentionBackend, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +136,8 @@ class Compressor(nn.Module):
 
     def finish(self, pooled: torch.Tensor, window_pos: torch.Tensor) -> torch.Tensor:
         """Pooled windows [M, D] -> entries: the compressor's RMSNorm, then RoPE at the window start."""
-        pooled = rms_norm(pooled, self.norm.weight, self.norm.eps)
         cos, sin = rope_cos_sin(self.inv_freq, window_pos)
-        return apply_rope(pooled, cos, sin)
+        return rms_norm_rope(pooled, self.norm.weight, self.norm.eps, cos, sin)
 
 
 class Indexer(nn.Module):
@@ -136,19 +150,19 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, 4, self.head_dim)
 
-    def select(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               visible: torch.Tensor, backend: AttentionBackend, layer_id: int) -> torch.Tensor:
-        """Returns the selection [G, Tq, E] (a subset of ``visible``)."""
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compressed,
+               backend: AttentionBackend, layer_id: int):
+        """``compressed``: the layer's (entries, visibility [G, Tq, E]) from ``backend.compressed`` -> the same
+        with only each query's top-k visible entries left (``backend.select_top``)."""
         rows = self.compressor.project(x, backend.positions)
-        if visible.shape[-1] <= self.topk:  # at most top-k entries exist: all visible ones are selected, exactly
+        if compressed[1].shape[-1] <= self.topk:  # at most top-k entries exist: all visible ones are selected
             backend.write_compressed(layer_id, "indexer", self.compressor, rows)  # later steps need them
-            return visible
-        keys, _ = backend.compressed(layer_id, "indexer", self.compressor, rows)  # [G, E, dI]
+            return compressed
+        keys, _ = backend.compressed(layer_id, "indexer", self.compressor, rows)  # [G, E, dI] or cache handles
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
         q = apply_rope(q, cos, sin)
         w = self.weights_proj(x)  # [N, nI]
-        scores = index_scores(backend.group(q), backend.group(w), keys, self.n_heads, self.head_dim)
-        return topk_mask(scores, visible, self.topk)
+        return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
 
 class Attention(nn.Module):
@@ -193,17 +207,16 @@ class Attention(nn.Module):
 
         c_q = self.q_norm(self.wq_a(x))  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
-        q = apply_rope(rms_norm(q, None, cfg.norm_eps), cos, sin)  # per-head unweighted norm, then rope
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, D]: the single K=V head
+        q = rms_norm_rope(q, None, cfg.norm_eps, cos, sin)  # per-head unweighted norm, then rope
+        kv = rms_norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [N, D]: the K=V head
 
         window = backend.window(self.layer_id, kv)
         compressed = None
         if self.compressor is not None:
             rows = self.compressor.project(x, backend.positions)
-            entries, visible = backend.compressed(self.layer_id, "main", self.compressor, rows)
+            compressed = backend.compressed(self.layer_id, "main", self.compressor, rows)
             if self.indexer is not None:
-                visible = self.indexer.select(x, c_q, cos, sin, visible, backend, self.layer_id)
-            compressed = (entries, visible)
+                compressed = self.indexer.select(x, c_q, cos, sin, compressed, backend, self.layer_id)
 
         o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
         o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import Compressor, attend_gathered
+from .attention import Compressor, attend_gathered, select_top_gathered
 
 
 class DenseBackend:
@@ -28,6 +28,7 @@ class DenseBackend:
         return x.reshape(self.B * self.T, *x.shape[2:])
 
     attend = staticmethod(attend_gathered)
+    select_top = staticmethod(select_top_gathered)
 
     def window(self, layer_id: int, kv: torch.Tensor):
         return self.group(kv), self._window_mask

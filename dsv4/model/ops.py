@@ -55,6 +55,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
 
 
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: one kernel on CUDA (``dsv4.kernels.norm``); the
+    composition is its twin."""
+    if x.is_cuda and norm_kernel.rope_usable(x, cos):
+        return norm_kernel.rms_norm_rope(x, weight, eps, cos, sin)
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """Attention over one shared K=V head with a per-head sink logit in the softmax denominator.

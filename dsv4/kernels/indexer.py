@@ -1,0 +1,174 @@
+"""The lightning indexer's scores and top-k, reading the index keys in the cache in place.
+
+Two kernels per CSA layer and step, for N query tokens whose visible compressed entries are named by a row
+table ``rows`` [N, E] (with ``valid`` [N, E]) into the layer's index-key storage [R, dI]:
+
+- ``_index_scores_kernel``: I(n, e) = sum_h w[n, h] * scale * ReLU(q[n, h] . key[rows[n, e]]), one program per
+  (token, block of entries), all heads in one ``tl.dot``; -inf where the entry is not visible.
+- ``_topk_rows_kernel``: one program per token selects the k highest scores by a radix select over the
+  scores' bits (four 8-bit histogram passes find the k-th largest value exactly), then writes the selected
+  entries' rows in column order, ties at the threshold broken by the lowest column. Tokens with at most k
+  visible entries select all of them. The output is [N, k] rows + valid, which the attention kernel reads
+  like any other row table, so it reads k entries per token instead of all E.
+
+Twins: ``index_scores_torch`` (gather, then ``dsv4.model.ops.index_scores``) and ``topk_rows_torch`` (a stable
+descending sort). Both kernels compute a token's result from that token's inputs alone (batch-invariant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.ops import index_scores
+from . import HAVE_TRITON
+
+
+def index_scores_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                       valid: torch.Tensor) -> torch.Tensor:
+    """q [N, nI, dI], w [N, nI], keys [R, dI], rows/valid [N, E] -> scores [N, E] fp32, -inf where not valid."""
+    gathered = torch.where(valid[..., None], keys[rows], torch.zeros((), dtype=keys.dtype, device=keys.device))
+    s = index_scores(q.unsqueeze(1), w.unsqueeze(1), gathered, q.shape[1], q.shape[2]).squeeze(1)
+    return s.masked_fill(~valid, float("-inf"))
+
+
+def topk_rows_torch(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [N, E] (-inf = not visible), rows [N, E] -> (rows [N, k], valid [N, k]) of the k highest scores in
+    column order; ties go to the lowest column; fewer than k visible entries leave the tail invalid (row 0)."""
+    E = scores.shape[1]
+    k = min(k, E)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    picked = scores.gather(1, order) > float("-inf")
+    cols = torch.where(picked, order, E).sort(dim=1).values  # visible picks in column order, then E for the rest
+    valid = cols < E
+    return torch.where(valid, rows.gather(1, cols.clamp(max=max(E - 1, 0))), 0), valid
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _index_scores_kernel(Q, stride_qn, stride_qh, W, stride_wn, KEYS, stride_k, ROWS, VALID, stride_r,
+                             OUT, stride_o, E, scale, NH: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr,
+                             BD: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr):
+        n = tl.program_id(0)
+        offs_h = tl.arange(0, BH)
+        offs_d = tl.arange(0, BD)
+        hmask, dmask = offs_h < NH, offs_d < DI
+        q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        w = tl.load(W + n * stride_wn + offs_h, mask=hmask, other=0.0).to(tl.float32) * scale
+        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        in_range = offs_e < E
+        rows = tl.load(ROWS + n * stride_r + offs_e, mask=in_range, other=0)
+        ok = (tl.load(VALID + n * stride_r + offs_e, mask=in_range, other=0) != 0) & in_range
+        k = tl.load(KEYS + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+                    mask=ok[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BH, BLOCK_E] fp32
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        tl.store(OUT + n * stride_o + offs_e, tl.where(ok, score, float("-inf")), mask=in_range)
+
+    @triton.jit
+    def _ordered_key(x):
+        """fp32 -> int64 in [0, 2^32), ascending with x (negative floats have their magnitude bits flipped)."""
+        i = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ranks with +0.0, as in torch
+        return (i ^ ((i >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+    @triton.jit
+    def _topk_rows_kernel(S, stride_s, ROWS, stride_r, OUT_R, OUT_V, stride_o, E, K, BLOCK: tl.constexpr):
+        n = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        bins = tl.arange(0, 256)
+        # radix select from the top byte: after pass p, `prefix` holds the top 8(p+1) bits of the k-th largest
+        # key and `remaining` how many of the keys sharing those bits still belong to the top k
+        prefix = tl.zeros([], tl.int64)
+        remaining = K
+        total = tl.zeros([], tl.int32)
+        for p in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * p
+            hist = tl.zeros([256], tl.int32)
+            for e0 in range(0, E, BLOCK):
+                x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
+                key = _ordered_key(x)
+                ok = x > float("-inf")
+                if p > 0:
+                    ok = ok & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok)
+            if p == 0:
+                total = tl.sum(hist)
+            at_or_above = tl.cumsum(hist, reverse=True)  # keys (with this prefix) whose digit is >= bin
+            d = tl.max(tl.where(at_or_above >= remaining, bins, 0))
+            remaining -= tl.sum(tl.where(bins > d, hist, 0))
+            prefix = prefix | (d.to(tl.int64) << shift)
+        # select keys above the threshold, and the first `remaining` keys equal to it, in column order; a token
+        # with at most K visible entries takes them all
+        take_all = total <= K
+        thr = tl.where(take_all, -1, prefix)
+        need = tl.where(take_all, 0, remaining)
+        count = 0
+        ties = 0
+        for e0 in range(0, E, BLOCK):
+            x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
+            key = _ordered_key(x)
+            ok = x > float("-inf")
+            eq = (ok & (key == thr)).to(tl.int32)
+            sel = ok & ((key > thr) | ((eq != 0) & (ties + tl.cumsum(eq) - eq < need)))
+            s32 = sel.to(tl.int32)
+            pos = count + tl.cumsum(s32) - s32
+            r = tl.load(ROWS + n * stride_r + e0 + offs, mask=sel, other=0)
+            tl.store(OUT_R + n * stride_o + pos, r, mask=sel)
+            count += tl.sum(s32)
+            ties += tl.sum(eq)
+        for k0 in range(0, K, BLOCK):
+            ko = k0 + offs
+            tl.store(OUT_V + n * stride_o + ko, (ko < count).to(tl.int8), mask=ko < K)
+            tl.store(OUT_R + n * stride_o + ko, tl.zeros([BLOCK], OUT_R.dtype.element_ty),
+                     mask=(ko >= count) & (ko < K))
+
+
+def usable(q: torch.Tensor) -> bool:
+    return HAVE_TRITON and q.is_cuda
+
+
+def index_scores_cuda(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+    """The scores kernel: same contract as ``index_scores_torch``."""
+    N, nI, dI = q.shape
+    E = rows.shape[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    rows, valid = rows.contiguous(), valid.contiguous()
+    out = torch.empty(N, E, dtype=torch.float32, device=q.device)
+    if N == 0 or E == 0:
+        return out
+    block_e = 64
+    BH, BD = max(16, triton.next_power_of_2(nI)), max(16, triton.next_power_of_2(dI))
+    _index_scores_kernel[(N, triton.cdiv(E, block_e))](
+        q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), rows, valid, rows.stride(0),
+        out, out.stride(0), E, (nI * dI) ** -0.5, NH=nI, DI=dI, BH=BH, BD=BD, BLOCK_E=block_e,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def topk_rows_cuda(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k kernel: same contract as ``topk_rows_torch``."""
+    N, E = scores.shape
+    k = min(k, E)
+    out_r = torch.empty(N, k, dtype=rows.dtype, device=rows.device)
+    out_v = torch.empty(N, k, dtype=torch.bool, device=rows.device)
+    if N and k:
+        scores, rows = scores.contiguous(), rows.contiguous()
+        _topk_rows_kernel[(N,)](scores, scores.stride(0), rows, rows.stride(0), out_r, out_v.view(torch.int8),
+                                out_r.stride(0), E, k, BLOCK=1024, num_warps=8)
+    return out_r, out_v
+
+
+def select_top_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                    valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's selection for tokens that each gather their own entries: (rows [N, k], valid [N, k])."""
+    if usable(q):
+        return topk_rows_cuda(index_scores_cuda(q, w, keys, rows, valid), rows, k)
+    return topk_rows_torch(index_scores_torch(q, w, keys, rows, valid), rows, k)
