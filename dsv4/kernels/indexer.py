@@ -88,7 +88,7 @@ if HAVE_TRITON:
         remaining = K
         total = tl.zeros([], tl.int32)
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+            shift = 24 - 8 * p
             hist = tl.zeros([256], tl.int32)
             for e0 in range(0, E, BLOCK):
                 x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
