@@ -85,7 +85,8 @@ def main():
                      f"{b['total'] / 1e9:.2f}", f"{b['routed experts'] / 1e9:.2f}", f"{b['lm head'] / 1e9:.2f}"])
     text = table(["batch", "step ms (median)", "floor ms", "% of floor", "forward alone ms (graph replay)",
                   "GB read", "of which experts", "lm head"], rows)
-    report(f"Decode step vs memory-bandwidth floor, {args.preset}, bf16", text, args.append,
+    what = f"{args.preset}, bf16, {args.prompt_len}-token prompts"
+    report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). The step is"
                  " engine.step() wall time (schedule, plan, forward, sampling, commit); 'forward alone' replays"

@@ -7,6 +7,30 @@ sink logit in the softmax denominator:
     o[n, h] = sum_j exp(q[n,h].k_j * scale) k_j / (sum_j exp(q[n,h].k_j * scale) + exp(sink[h]))
 
 ``sparse_sink_attention_ref`` is the plain-torch twin (gather, then ``sink_attention``).
+
+Two Triton paths, each with programs of ``BLOCK_H`` heads of one token (q rows share every key read):
+
+* single pass (``_sparse_sink_attn_kernel``, grid (N, head blocks)): one program runs over all K1 + K2 keys
+  of its token with an online softmax that starts from the sink. Taken when N x head blocks fills the GPU
+  well enough (``split_for``).
+* split KV, flash decoding (``_split_partial_kernel`` then ``_split_merge_kernel``), taken for small batches:
+  each source's key columns are cut into chunks of SPLIT keys (32 or 64; source 1's chunks, then source 2's;
+  no chunk spans both), C = cdiv(K1, SPLIT) + cdiv(K2, SPLIT). The first kernel, grid (head blocks, C, N), computes a
+  chunk's running max m, denominator l and unnormalised sum acc in fp32 into scratch (acc [N, C, H, D], m
+  and l [N, C, H]; N*C*H*(D + 2) floats); a chunk with no valid key stores only m = -inf, l = 0. The
+  second kernel, grid (head blocks, D / ``MERGE_D``, N), merges a token's chunks in order, ``MERGE_C`` at a
+  time, starting from the sink (m = sink, l = exp(sink - m) = 1, acc = 0; the sink has no value):
+  m' = max(m, m_c), l = l exp(m - m') + sum_c l_c exp(m_c - m'), likewise acc; an empty chunk has weight
+  exp(-inf - m') = 0 and its acc is never read, so it merges to exactly nothing (m' stays finite, no
+  -inf - -inf). Then acc / l in q's dtype; a token with no valid key gets 0.
+
+Batch invariance: within a path, a token's result depends on its own rows and on the tables' column counts
+K1, K2 alone (the chunking and every tile size follow from K1, K2, H, D and the dtype). The path itself
+follows from N (``split_for``), so across its thresholds a token's rounding depends on the batch size. Within
+a path, extra trailing columns of the last source that are invalid for the token (the compressed entries'
+table padded wider for other requests) change nothing either: they add exact zeros, in empty chunks
+appended after all others. No host syncs and shapes fixed by the tables: both paths can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,6 +39,10 @@ import torch
 
 from ..model.ops import sink_attention
 from . import HAVE_TRITON
+
+BLOCK_H = 16   # heads per program (the dots' M)
+MERGE_C = 16   # chunks merged per step of the merge kernel
+MERGE_D = 32   # slice of D per merge program
 
 
 def sparse_sink_attention_ref(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -32,30 +60,33 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _attend_source(q, m, l, acc, n, KV, stride_kv, IDX, VAL, stride_i, K, scale,
-                       D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr):
+        """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))  # [BH, BK]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        return m_new, l, acc
+
+    @triton.jit
+    def _load_block(n, KV, stride_kv, IDX, VAL, stride_i, K, offs_k, D: tl.constexpr):
+        """Key columns offs_k (those < K) of token n: kv [BK, D] (0 where not valid) and the valid mask."""
+        in_range = offs_k < K
+        idx = tl.load(IDX + n * stride_i + offs_k, mask=in_range, other=0)
+        ok = (tl.load(VAL + n * stride_i + offs_k, mask=in_range, other=0) != 0) & in_range
         offs_d = tl.arange(0, D)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            in_range = offs_k < K
-            idx = tl.load(IDX + n * stride_i + offs_k, mask=in_range, other=0)
-            ok = (tl.load(VAL + n * stride_i + offs_k, mask=in_range, other=0) != 0) & in_range
-            kv = tl.load(KV + idx.to(tl.int64)[:, None] * stride_kv + offs_d[None, :], mask=ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(kv))
-            s = tl.where(ok[None, :], s * scale, float("-inf"))  # [BH, BK]
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-            m = m_new
-        return m, l, acc
+        kv = tl.load(KV + idx.to(tl.int64)[:, None] * stride_kv + offs_d[None, :], mask=ok[:, None], other=0.0)
+        return kv, ok
 
     @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
@@ -63,6 +94,7 @@ if HAVE_TRITON:
                                  KV2, stride_kv2, IDX2, VAL2, stride_i2, K2,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                  IEEE: tl.constexpr):
+        """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program."""
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
@@ -72,19 +104,111 @@ if HAVE_TRITON:
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         l = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
-        m, l, acc = _attend_source(q, m, l, acc, n, KV1, stride_kv1, IDX1, VAL1, stride_i1, K1, scale,
-                                   D, BLOCK_K, IEEE)
-        m, l, acc = _attend_source(q, m, l, acc, n, KV2, stride_kv2, IDX2, VAL2, stride_i2, K2, scale,
-                                   D, BLOCK_K, IEEE)
+        for k0 in range(0, K1, BLOCK_K):
+            kv, ok = _load_block(n, KV1, stride_kv1, IDX1, VAL1, stride_i1, K1, k0 + tl.arange(0, BLOCK_K), D)
+            m, l, acc = _attend_block(q, m, l, acc, kv, ok, scale, IEEE)
+        for k0 in range(0, K2, BLOCK_K):
+            kv, ok = _load_block(n, KV2, stride_kv2, IDX2, VAL2, stride_i2, K2, k0 + tl.arange(0, BLOCK_K), D)
+            m, l, acc = _attend_block(q, m, l, acc, kv, ok, scale, IEEE)
+        out = acc / l[:, None]
+        tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=hmask[:, None])
+
+    @triton.jit
+    def _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV, stride_kv, IDX, VAL, stride_i, K,
+                       start, scale, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        """Key columns start .. start + SPLIT - 1 (those < K) of one source -> (m, l); acc stored at WS rows
+        ``row`` unless no key of the chunk is valid (then m = -inf, l = 0 and nothing else is done)."""
+        offs_s = start + tl.arange(0, SPLIT)
+        valid = tl.load(VAL + n * stride_i + offs_s, mask=offs_s < K, other=0) != 0
+        offs_d = tl.arange(0, D)  # q is loaded with the emptiness test, not after it (wasted if the chunk is empty)
+        q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            acc = tl.zeros([BLOCK_H, D], tl.float32)
+            for k0 in range(0, SPLIT, BLOCK_K):  # constexpr bounds
+                kv, ok = _load_block(n, KV, stride_kv, IDX, VAL, stride_i, K, start + k0 + tl.arange(0, BLOCK_K), D)
+                m, l, acc = _attend_block(q, m, l, acc, kv, ok, scale, IEEE)
+            tl.store(WS + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
+        return m, l
+
+    @triton.jit
+    def _split_partial_kernel(Q, stride_qn, stride_qh, H, scale, WS, WM, WL, C,
+                              KV1, stride_kv1, IDX1, VAL1, stride_i1, K1, C1,
+                              KV2, stride_kv2, IDX2, VAL2, stride_i2, K2,
+                              D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                              SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        """Split path, first kernel, grid (head blocks, C, N): chunk c < C1 holds source 1's key columns
+        c*SPLIT.., a later one source 2's (c - C1)*SPLIT.. Scratch (fp32): WS acc [N, C, H, D], WM m and
+        WL l [N, C, H]."""
+        c = tl.program_id(1)
+        n = tl.program_id(2)
+        offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        row = (n.to(tl.int64) * C + c) * H + offs_h  # [BH] rows of the [N, C, H] scratch
+        if c < C1:
+            m, l = _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV1, stride_kv1, IDX1, VAL1,
+                                  stride_i1, K1, c * SPLIT, scale, D, BLOCK_H, BLOCK_K, SPLIT, IEEE)
+        else:
+            m, l = _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV2, stride_kv2, IDX2, VAL2,
+                                  stride_i2, K2, (c - C1) * SPLIT, scale, D, BLOCK_H, BLOCK_K, SPLIT, IEEE)
+        tl.store(WM + row, m, mask=hmask)
+        tl.store(WL + row, l, mask=hmask)
+
+    @triton.jit
+    def _split_merge_kernel(SINK, OUT, stride_on, stride_oh, H, WS, WM, WL, C,
+                            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Split path, second kernel, grid (head blocks, D / BLOCK_D, N): token n's C chunks, in order,
+        merged from the sink -> OUT[n, head block, slice of D] in OUT's dtype."""
+        n = tl.program_id(2)
+        offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        hmask = offs_h < H
+        # the sink starts the max and adds exp(sink - m) to the denominator, no value
+        m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
+        l = tl.full([BLOCK_H], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            row = (n.to(tl.int64) * C + offs_c[:, None]) * H + offs_h[None, :]  # [BC, BH]
+            live = (offs_c[:, None] < C) & hmask[None, :]
+            mc = tl.load(WM + row, mask=live, other=float("-inf"))
+            lc = tl.load(WL + row, mask=live, other=0.0)
+            m_new = tl.maximum(m, tl.max(mc, axis=0))  # finite: m starts at the sink
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(mc - m_new[None, :])  # 0 for an empty chunk (m_c = -inf)
+            ac = tl.load(WS + row[:, :, None] * D + offs_d[None, None, :],
+                         mask=(live & (mc != float("-inf")))[:, :, None], other=0.0)  # empty chunks: never written
+            l = l * alpha + tl.sum(w * lc, axis=0)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * ac, axis=0)
+            m = m_new
         out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
 
 
-def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton kernel (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]."""
-    if not HAVE_TRITON or not q.is_cuda:
-        return sparse_sink_attention_ref(q, sources, sink, scale)
+SPLIT_PROGRAMS = 64  # single-pass programs (tokens x head blocks) from which the single pass is faster
+
+
+def split_for(n: int, hb: int, k1: int, k2: int) -> int:
+    """Keys per chunk of the path taken for n tokens of hb head blocks over tables of k1 and k2 columns (0: the
+    single-pass kernel). Measured on an H200 (bench/attention_split.py, H=64, D=512, bf16): with 4 programs
+    (batch 1) chunks of 32 keys are 1.8x (161 keys) to 4.8x (641 keys) faster than the single pass; with 32
+    (batch 8) chunks of 64 are 1.04-1.9x faster; with 128 (batch 32) every split is 2-4x slower. The path
+    depends on n, so a token's result (its rounding) depends on the batch size across these thresholds."""
+    programs = n * hb
+    if programs >= SPLIT_PROGRAMS or k1 + k2 <= 32:
+        return 0
+    return 32 if programs <= 16 else 64
+
+
+def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
+                           split: int | None = None) -> torch.Tensor:
+    """The Triton launch on any device Triton runs on (the interpreter's CPU tensors too). ``split``: None =
+    ``split_for(K1, K2)``, 0 = single pass, else the split path with chunks of ``split`` keys (a power of two,
+    at least 32; tests and bench/attention_split.py)."""
     N, H, D = q.shape
     if len(sources) == 1:
         sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0])]
@@ -93,13 +217,41 @@ def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: f
     if N == 0:
         return out
     i1, v1, i2, v2 = i1.contiguous(), v1.contiguous(), i2.contiguous(), v2.contiguous()
-    block_h = 16
+    K1, K2 = i1.shape[1], i2.shape[1]
+    hb = triton.cdiv(H, BLOCK_H)
+    if split is None:
+        split = split_for(N, hb, K1, K2)
     ieee = q.dtype == torch.float32
     block_k = 16 if D >= 512 and ieee else 32
-    grid = (N, triton.cdiv(H, block_h))
-    _sparse_sink_attn_kernel[grid](
-        q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
-        kv1, kv1.stride(0), i1, v1, i1.stride(0), i1.shape[1],
-        kv2, kv2.stride(0), i2, v2, i2.stride(0), i2.shape[1],
-        D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, num_warps=4 if D <= 128 else 8)
+    num_warps = 4 if D <= 128 else 8
+    if not split:
+        _sparse_sink_attn_kernel[(N, hb)](
+            q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
+            kv1, kv1.stride(0), i1, v1, i1.stride(0), K1,
+            kv2, kv2.stride(0), i2, v2, i2.stride(0), K2,
+            D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, IEEE=ieee, num_warps=num_warps)
+        return out
+    assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
+    C1 = triton.cdiv(K1, split)
+    C = C1 + triton.cdiv(K2, split)
+    rows = N * C * H
+    ws = torch.empty(rows * (D + 2), device=q.device, dtype=torch.float32)  # one scratch: acc, m, l
+    wm, wl = ws[rows * D: rows * (D + 1)], ws[rows * (D + 1):]
+    # head blocks fastest: the blocks of one (chunk, token) read the same key rows close together in time
+    _split_partial_kernel[(hb, C, N)](  # N, C <= 65535 (decode-like steps only)
+        q, q.stride(0), q.stride(1), H, scale, ws, wm, wl, C,
+        kv1, kv1.stride(0), i1, v1, i1.stride(0), K1, C1,
+        kv2, kv2.stride(0), i2, v2, i2.stride(0), K2,
+        D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, SPLIT=split, IEEE=ieee, num_warps=num_warps)
+    block_d = min(D, MERGE_D)
+    _split_merge_kernel[(hb, D // block_d, N)](
+        sink, out, out.stride(0), out.stride(1), H, ws, wm, wl, C,
+        D=D, BLOCK_H=BLOCK_H, BLOCK_C=MERGE_C, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]."""
+    if not HAVE_TRITON or not q.is_cuda:
+        return sparse_sink_attention_ref(q, sources, sink, scale)
+    return _sparse_sink_attention(q, sources, sink, scale)
