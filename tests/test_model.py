@@ -123,6 +123,7 @@ def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
     blk = next(b for b in model.layers if b.attn.indexer is not None)
     idx, B, T = blk.attn.indexer, 2, 24
     x = torch.randn(B * T, cfg.hidden_size)
+    xs = blk.attn.project_input(x)
     c_q = torch.randn(B * T, cfg.q_lora_rank)
     backend = DenseBackend(B, T, cfg.window_size, "cpu")
     cos, sin = rope_cos_sin(blk.attn.inv_freq, backend.positions)
@@ -131,16 +132,16 @@ def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
     for topk in (E, E + 5):  # the skip is taken
         idx.topk = topk
         entries = torch.randn(B, E, cfg.head_dim)
-        got_entries, got = idx.select(x, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
+        got_entries, got = idx.select(xs, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
         assert got_entries is entries
-        rows = idx.compressor.project(x, backend.positions)
+        rows = idx.compressor.project(xs["idx_kv"], xs["idx_gate"], backend.positions)
         keys, _ = backend.compressed(blk.attn.layer_id, "indexer", idx.compressor, rows)
         q = idx.wq_b(c_q).unflatten(-1, (idx.n_heads, idx.head_dim))
         scores = index_scores(backend.group(apply_rope(q, cos, sin)), backend.group(idx.weights_proj(x)), keys,
                               idx.n_heads, idx.head_dim)
         assert torch.equal(got, topk_mask(scores, visible, topk)) and torch.equal(got, visible)
     idx.topk = 2  # fewer than E: the scores decide, and only 2 per query survive
-    _, got = idx.select(x, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
+    _, got = idx.select(xs, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
     assert (got.sum(-1) <= 2).all() and not (got & ~visible).any() and got.sum() < visible.sum()
 
 
@@ -174,3 +175,27 @@ def test_topk_rows_twin_selects_what_the_mask_selects():
     assert topk_rows_torch(tied, cols, 2)[0].tolist() == [[1, 2]]
     assert topk_rows_torch(tied, cols, 5)[0].tolist() == [[0, 1, 2, 3, 5]]
     assert topk_rows_torch(tied, cols, 8)[1].tolist() == [[True] * 7 + [False]]
+
+
+def test_fused_projections_equal_the_modules():
+    """fuse_projections (what build_model does on CUDA): one GEMM per shared input gives the modules' outputs,
+    the modules' weights become views of the fused weight (no second copy), and the state dict is unchanged."""
+    cfg = get_preset("tiny")
+    sd = random_state_dict(cfg, seed=5)
+    plain = build_model(cfg, sd, has_mtp=True)
+    fused = build_model(cfg, {k: v.clone() for k, v in sd.items()}, has_mtp=True)
+    fused.fuse_projections()
+    for blk in list(fused.layers) + list(fused.mtp):
+        f = blk.attn.fused_input
+        assert f is not None and all(m.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()
+                                     for _, m in blk.attn.input_linears())
+    assert {k: v.shape for k, v in fused.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    assert all(torch.equal(fused.state_dict()[k], v) for k, v in plain.state_dict().items())
+    x = torch.randn(7, cfg.hidden_size)
+    i = next(i for i, blk in enumerate(plain.layers) if blk.attn.indexer is not None)  # a CSA layer: 7 of them
+    a, b = plain.layers[i].attn.project_input(x), fused.layers[i].attn.project_input(x)
+    assert a.keys() == b.keys() and len(a) == 7 and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(plain(ids), fused(ids), atol=1e-4, rtol=1e-4)
+        assert torch.allclose(plain.mtp_logits(ids), fused.mtp_logits(ids), atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..kernels import project as project_kernel
 from .ops import (apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, rope_cos_sin, sink_attention,
                   topk_mask)
+from .fused import FusedLinears, project
 from .rope import layer_inv_freq
 
 
@@ -109,15 +110,14 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
         self.inv_freq: torch.Tensor | None = None  # the layer's rope table, set by the attention layer
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Per-token rows [N, 2*coff*D] fp32: kv, then score = gate + ape[pos % ratio] (the layout of the
-        compressor-state ring). On CUDA one kernel writes them (``dsv4.kernels.project``); the lines below are
-        its twin."""
-        if project_kernel.usable(x):
-            return project_kernel.project_rows(self.wkv(x), self.wgate(x), self.ape, positions, self.ratio)
-        kv = self.wkv(x).float()
-        score = self.wgate(x).float() + self.ape.float()[positions % self.ratio]
-        return torch.cat((kv, score), dim=-1)
+    def project(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``wkv(x)``, ``wgate(x)`` -> per-token rows [N, 2*coff*D] fp32: kv, then score = gate + ape[pos %
+        ratio] (the layout of the compressor-state ring). On CUDA one kernel writes them
+        (``dsv4.kernels.project``); the lines below are its twin."""
+        if project_kernel.usable(kv):
+            return project_kernel.project_rows(kv, gate, self.ape, positions, self.ratio)
+        score = gate.float() + self.ape.float()[positions % self.ratio]
+        return torch.cat((kv.float(), score), dim=-1)
 
     def pool(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, valid: torch.Tensor,
              window_pos: torch.Tensor) -> torch.Tensor:
@@ -150,18 +150,19 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, 4, self.head_dim)
 
-    def select(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compressed,
+    def select(self, xs: dict, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compressed,
                backend: AttentionBackend, layer_id: int):
-        """``compressed``: the layer's (entries, visibility [G, Tq, E]) from ``backend.compressed`` -> the same
-        with only each query's top-k visible entries left (``backend.select_top``)."""
-        rows = self.compressor.project(x, backend.positions)
+        """``xs``: the layer's input projections (``Attention.project_input``); ``compressed``: the layer's
+        (entries, visibility [G, Tq, E]) from ``backend.compressed`` -> the same with only each query's top-k
+        visible entries left (``backend.select_top``)."""
+        rows = self.compressor.project(xs["idx_kv"], xs["idx_gate"], backend.positions)
         if compressed[1].shape[-1] <= self.topk:  # at most top-k entries exist: all visible ones are selected
             backend.write_compressed(layer_id, "indexer", self.compressor, rows)  # later steps need them
             return compressed
         keys, _ = backend.compressed(layer_id, "indexer", self.compressor, rows)  # [G, E, dI] or cache handles
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
         q = apply_rope(q, cos, sin)
-        w = self.weights_proj(x)  # [N, nI]
+        w = xs["idx_w"]  # [N, nI]
         return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
 
@@ -181,7 +182,25 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.compressor = Compressor(cfg, compress_ratio, D) if compress_ratio > 0 else None
         self.indexer = Indexer(cfg) if compress_ratio == 4 else None
+        self.fused_input: FusedLinears | None = None
         self.init_tables()
+
+    def input_linears(self) -> list[tuple[str, nn.Linear]]:
+        """Every projection of the layer's input x (``project_input``'s names), in the fused weight's order."""
+        named = [("q", self.wq_a), ("kv", self.wkv)]
+        if self.compressor is not None:
+            named += [("comp_kv", self.compressor.wkv), ("comp_gate", self.compressor.wgate)]
+        if self.indexer is not None:
+            c = self.indexer.compressor
+            named += [("idx_kv", c.wkv), ("idx_gate", c.wgate), ("idx_w", self.indexer.weights_proj)]
+        return named
+
+    def fuse_input_projections(self) -> None:
+        """One GEMM for up to seven projections of x (``dsv4.model.fused``); call once, after loading."""
+        self.fused_input = FusedLinears(self.input_linears())
+
+    def project_input(self, x: torch.Tensor) -> dict:
+        return project(x, self.input_linears(), self.fused_input)
 
     def init_tables(self, device=None, shared: dict | None = None):
         """(Re)compute the rope table on ``device`` (after loading weights built on the meta device). Layers
@@ -205,18 +224,19 @@ class Attention(nn.Module):
         g = self.wo_a.weight.shape[0] // cfg.o_lora_rank
         cos, sin = step_rope(backend, self.inv_freq)  # [N, R/2]
 
-        c_q = self.q_norm(self.wq_a(x))  # [N, q_lora], reused by the indexer
+        xs = self.project_input(x)
+        c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
         q = rms_norm_rope(q, None, cfg.norm_eps, cos, sin)  # per-head unweighted norm, then rope
-        kv = rms_norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [N, D]: the K=V head
+        kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [N, D]: the K=V head
 
         window = backend.window(self.layer_id, kv)
         compressed = None
         if self.compressor is not None:
-            rows = self.compressor.project(x, backend.positions)
+            rows = self.compressor.project(xs["comp_kv"], xs["comp_gate"], backend.positions)
             compressed = backend.compressed(self.layer_id, "main", self.compressor, rows)
             if self.indexer is not None:
-                compressed = self.indexer.select(x, c_q, cos, sin, compressed, backend, self.layer_id)
+                compressed = self.indexer.select(xs, c_q, cos, sin, compressed, backend, self.layer_id)
 
         o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
         o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too

@@ -46,6 +46,14 @@ class DeepseekV4(nn.Module):
         for blk in list(self.layers) + list(self.mtp):
             blk.attn.init_tables(device, shared)
 
+    def fuse_projections(self) -> None:
+        """Projections that share an input become one GEMM each (``dsv4.model.fused``): a layer's input
+        projections, a shared expert's w1 and w3. For the GPU, after loading (weights become views)."""
+        for blk in list(self.layers) + list(self.mtp):
+            blk.attn.fuse_input_projections()
+            if blk.ffn.shared_experts is not None:
+                blk.ffn.shared_experts.fuse()
+
     # ---- pieces the engine drives -----------------------------------------------------------------
     def streams(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids: [N] -> the last layer's hc streams [N, n, d] (before hc_head)."""

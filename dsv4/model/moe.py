@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .fused import FusedLinears, project
 from .ops import swiglu_to
 
 
@@ -100,10 +101,16 @@ class SharedExpert(nn.Module):
         self.w1 = nn.Linear(d, I, bias=False)
         self.w2 = nn.Linear(I, d, bias=False)
         self.w3 = nn.Linear(d, I, bias=False)
+        self.fused: FusedLinears | None = None
+
+    def fuse(self) -> None:
+        """w1 and w3 read the same x: one GEMM (``dsv4.model.fused``); call once, after loading."""
+        self.fused = FusedLinears([("gate", self.w1), ("up", self.w3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, d] in x's dtype (MoE adds it to the fp32 routed sum: the promotion is exact)."""
-        return self.w2(swiglu_to(self.w1(x), self.w3(x), self.limit, None, x.dtype))
+        h = project(x, [("gate", self.w1), ("up", self.w3)], self.fused)
+        return self.w2(swiglu_to(h["gate"], h["up"], self.limit, None, x.dtype))
 
 
 class MoE(nn.Module):

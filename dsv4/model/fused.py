@@ -1,0 +1,36 @@
+"""Projections that read the same input, run as one GEMM.
+
+At decode sizes a projection of a few MB costs about as much as launching it and filling the GPU (cuBLAS
+reads a 1024x4096 weight at about a quarter of the copy bandwidth, BENCHMARKS.md), so the projections of one
+input are better done as one GEMM over their concatenated weights. ``FusedLinears`` concatenates the weights
+once, after loading, and points every module's weight at its rows of the result, so memory is not doubled
+and the modules (and their state-dict names) stay as they are. The unfused modules, called one by one, are
+its twin; the model fuses on CUDA only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedLinears:
+    """Bias-free linears of one input: ``fused(x)`` -> {name: module(x)} in one GEMM."""
+
+    def __init__(self, named: list[tuple[str, nn.Linear]]):
+        self.names = [name for name, _ in named]
+        self.sizes = [m.weight.shape[0] for _, m in named]
+        self.weight = torch.cat([m.weight.detach() for _, m in named])
+        off = 0
+        for (_, m), n in zip(named, self.sizes):
+            m.weight = nn.Parameter(self.weight[off:off + n], requires_grad=False)
+            off += n
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, F.linear(x, self.weight).split(self.sizes, dim=-1)))
+
+
+def project(x: torch.Tensor, named: list[tuple[str, nn.Linear]], fused: FusedLinears | None) -> dict:
+    """{name: module(x)}: one GEMM when ``fused``, else module by module."""
+    return fused(x) if fused is not None else {name: m(x) for name, m in named}
