@@ -177,9 +177,6 @@ class LLM:
                          " it to its own grouped-expert MoE path")
         if cfg.cuda_graph_config is not None and not cfg.enforce_eager and not device.startswith("cuda"):
             notes.append("cuda_graph_config: there are no CUDA graphs on the CPU; steps run eagerly")
-        if device.startswith("cuda") and cfg.kv_cache_config.dtype == "fp8":
-            notes.append("kv_cache_config.dtype=fp8: the FP8 cache runs on the plain-torch attention path (the"
-                         " Triton kernels and CUDA graphs read bf16 caches for now); slower, not refused")
         for n in notes:
             log.warning("%s", n)
         return notes

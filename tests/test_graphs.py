@@ -13,18 +13,20 @@ from dsv4.engine.graphs import default_buckets
 @pytest.fixture
 def kernel_path_on_cpu(monkeypatch):
     # the decode-like CudaBackend on the CPU (its kernel falls back to the torch twin off the GPU)
-    monkeypatch.setattr(cuda_backend.CudaBackend, "supports", staticmethod(lambda storage: not storage.fp8))
+    monkeypatch.setattr(cuda_backend.CudaBackend, "supports", staticmethod(lambda storage: True))
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k, monkeypatch):
+@pytest.mark.parametrize("k, kv", [(0, "auto"), (2, "auto"), (2, "fp8")])
+def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k, kv, monkeypatch):
+    """FP8 too: the kernel path reads the e4m3 rows and their scales where they lie (its twin dequantises them
+    as the cache's reads do)."""
     selections = []  # the indexer's compacted top-k rows (tiny: index_topk 3) are what attention reads
     select = cuda_backend.select_top_rows
     monkeypatch.setattr(cuda_backend, "select_top_rows", lambda *a: selections.append(a[-1]) or select(*a))
     rng = random.Random(k)
     prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    kw = dict(max_batch_size=8, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+    kw = dict(max_batch_size=8, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096, "dtype": kv},
               warmup=False, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
     ref = [o.outputs[0].token_ids for o in LLM("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
     llm = LLM("tiny", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]}, **kw)

@@ -156,3 +156,34 @@ def test_split_path_in_cuda_graph(split):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fn())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N, H, D, K1, K2", [(1, 64, 512, 128, 512), (33, 64, 512, 128, 77), (3, 4, 32, 5, 7)])
+def test_fp8_cache_rows_match_twin(dtype, N, H, D, K1, K2):
+    """An FP8 cache (e4m3 bytes + a float32 scale per row and 64 values) read in place on every path: equal to
+    the twin, which dequantises as CacheStorage's reads do. Every e4m3 byte value (but NaN) is decoded once
+    where the first source has the columns for it (D = 512: all 254 in the first rows)."""
+    from dsv4.cache.storage import FP8, quantize_fp8
+
+    q, src, sink = _inputs(N, H, D, 300, K1, 2000, K2, dtype, 31)
+    fp8 = []
+    for rows, idx, valid in src:
+        data, scale = quantize_fp8(rows.float() * 3)
+        fp8.append((data, idx, valid, scale))
+    codes = torch.arange(256, dtype=torch.int32, device="cuda")
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8).view(FP8)  # 254 byte values
+    data, idx, valid, scale = fp8[0]
+    rows = min(-(-codes.numel() // D), K1)  # as many code rows as the first source's columns hold
+    for r in range(rows):
+        part = codes[r * D:(r + 1) * D]
+        data[r, : part.numel()] = part
+    scale[:rows] = 1.0
+    idx[:, :rows] = torch.arange(rows, device="cuda")
+    valid[:, :rows] = True
+    ref = sparse_sink_attention_ref(q.double(), [(d, i, v, s) for d, i, v, s in fp8], sink.double(), D ** -0.5)
+    for split in PATHS:
+        _poison_allocator(_numel_touched(N, H, D, K1, K2, split))
+        out = _sparse_sink_attention(q, fp8, sink, D ** -0.5, split=split)
+        assert torch.isfinite(out).all(), split
+        assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5), split

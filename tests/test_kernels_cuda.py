@@ -73,8 +73,8 @@ def dense_greedy(model, prompts, n):
 def _engine(model, **kw):
     from dsv4 import LLM
 
-    return LLM(model, device="cuda", dtype="fp32", max_batch_size=8, max_num_tokens=128, max_seq_len=512,
-               kv_cache_config={"max_tokens": 8192}, **kw)
+    kw.setdefault("kv_cache_config", {"max_tokens": 8192})
+    return LLM(model, device="cuda", dtype="fp32", max_batch_size=8, max_num_tokens=128, max_seq_len=512, **kw)
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -90,6 +90,23 @@ def test_engine_on_cuda_equals_dense_reference(k):
     assert llm.engine.runner.use_kernels
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
     assert out == dense_greedy(llm.model, prompts, 16)
+
+
+def test_fp8_cache_kernel_path_equals_torch_path():
+    """The seed's cache dtype: an FP8 KV cache on the kernel path (CUDA graphs on, MTP 2) gives the greedy tokens
+    of the plain-torch attention path over the same FP8 cache (fp32 model)."""
+    from dsv4 import SamplingParams
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    kw = dict(speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+              kv_cache_config={"max_tokens": 8192, "dtype": "fp8"})
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _engine("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
+    llm = _engine("tiny", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]}, **kw)
+    assert llm.engine.runner.use_kernels and llm.engine.runner.graphs is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    assert llm.engine.runner.graphs.num_replays > 0
 
 
 @pytest.mark.parametrize("N, k, E", [(1, 6, 32), (32, 6, 32), (64, 6, 33), (5, 2, 8), (3, 6, 7), (4, 8, 256)])

@@ -180,8 +180,19 @@ class CacheStorage:
 
     # ---- gathers over the combined index space ---------------------------------------------------------
     def gather_swa(self, l: int, step_rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Window keys [..., D] for SWA layer l from the ring and this step's rows (see plan.py)."""
-        return ops.gather_with(lambda rows: self.read_swa(l, rows), self.swa[l].shape[0], step_rows, index, valid)
+        """Window keys [..., D] for SWA layer l from the ring and this step's rows (see plan.py). This step's rows
+        are read as the ring will hold them (``as_stored``): a key reads the same in the step that made it as
+        in every later one, and the same as the CUDA backend, which writes its rows first and reads the ring."""
+        return ops.gather_with(lambda rows: self.read_swa(l, rows), self.swa[l].shape[0],
+                               self.as_stored(l, step_rows), index, valid)
+
+    def as_stored(self, l: int, values: torch.Tensor) -> torch.Tensor:
+        """Window rows [N, D] as ``read_swa`` returns them once written: FP8 quantised and back, else rounded
+        to the storage dtype and back (no change when that is the model dtype)."""
+        if self.swa_scale[l] is not None:
+            q, s = quantize_fp8(values.reshape(-1, values.shape[-1]))
+            return dequantize_fp8(q, s, self.dtype).view(values.shape)
+        return values.to(self.swa[l].dtype).to(self.dtype)
 
     def gather_entries(self, l: int, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Visible compressed entries [..., D] (invalid -> zeros)."""

@@ -28,11 +28,16 @@ STATIC_GRAPHS_ON_CPU_ENV = "DSV4_STATIC_GRAPHS_ON_CPU"
 
 @dataclass(frozen=True)
 class CacheRows:
-    """Keys that stay in the cache: ``storage[index]`` where ``valid``."""
+    """Keys that stay in the cache: ``storage[index]`` where ``valid`` (times ``scale`` for an FP8 cache)."""
 
     storage: torch.Tensor  # [R, D]
     index: torch.Tensor  # [N, K]
     valid: torch.Tensor  # [N, K] bool
+    scale: torch.Tensor | None = None  # [R, D/64] fp32: an FP8 cache's row scales
+
+    def source(self) -> tuple:
+        """What the attention kernel takes: (rows, index, valid[, scale])."""
+        return (self.storage, self.index, self.valid) + (() if self.scale is None else (self.scale,))
 
 
 class CudaBackend(CachedBackend):
@@ -58,29 +63,31 @@ class CudaBackend(CachedBackend):
     @staticmethod
     def supports(storage) -> bool:
         if os.environ.get(STATIC_GRAPHS_ON_CPU_ENV) == "1":  # test switch: the kernel path's torch twins on CPU
-            return not storage.fp8
-        return storage.device.type == "cuda" and not storage.fp8
+            return True
+        return storage.device.type == "cuda"  # bf16, fp32 and FP8 caches (the kernel dequantises FP8 rows)
 
     def window(self, layer_id: int, kv: torch.Tensor):
         self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
-        return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid)
+        return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid, self.storage.swa_scale[layer_id])
 
     def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
         t = self.write_compressed(layer_id, name, comp, rows)
         st = self.storage
-        keys = st.entries[layer_id] if name == "main" else st.index_keys[layer_id]
-        return CacheRows(keys, t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
+        if name == "main":
+            return CacheRows(st.entries[layer_id], t.entry_rows, t.entry_valid, st.entry_scale[layer_id]), \
+                t.entry_valid.unsqueeze(1)
+        return CacheRows(st.index_keys[layer_id], t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
 
     def select_top(self, compressed, q: torch.Tensor, w: torch.Tensor, keys: CacheRows, k: int):
         """Score the index keys where they lie and keep k entry rows per token (``dsv4.kernels.indexer``): the
         attention kernel then reads k entries instead of all visible ones."""
         entries, _ = compressed
         rows, valid = select_top_rows(q[:, 0], w[:, 0], keys.storage, keys.index, keys.valid, k)
-        return CacheRows(entries.storage, rows, valid), valid.unsqueeze(1)
+        return CacheRows(entries.storage, rows, valid, entries.scale), valid.unsqueeze(1)
 
     def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float):
-        sources = [(window.storage, window.index, window.valid)]
+        sources = [window.source()]
         if compressed is not None:
             rows, visible = compressed
-            sources.append((rows.storage, rows.index, visible[:, 0]))
+            sources.append(CacheRows(rows.storage, rows.index, visible[:, 0], rows.scale).source())
         return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale).unsqueeze(1)

@@ -74,7 +74,7 @@ class TargetOutput:
 class ModelRunner:
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto"):
         self.model, self.storage, self.device = model, storage, torch.device(device)
-        # the Triton kernel path for decode-like steps (CUDA, non-fp8 cache), else the plain-torch path
+        # the Triton kernel path for decode-like steps (CUDA; bf16, fp32 or FP8 cache), else the plain-torch path
         self.use_kernels = attention_backend in ("auto", "triton") and CudaBackend.supports(storage)
         if attention_backend == "triton" and not self.use_kernels:
             raise ValueError("attention_backend='triton' needs a CUDA device and a bf16/fp32 KV cache")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.storage import FP8_BLOCK, dequantize_fp8
 from ..model.ops import sink_attention
 from . import HAVE_TRITON
 
@@ -46,10 +47,17 @@ MERGE_D = 32   # slice of D per merge program
 
 
 def sparse_sink_attention_ref(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [N, H, D]; sources: [(rows [R, D], index [N, K], valid [N, K]), ...] -> [N, H, D]."""
+    """q [N, H, D]; sources: [(rows [R, D], index [N, K], valid [N, K]) or (..., row scales [R, D/64]) for
+    an FP8 cache, ...] -> [N, H, D]."""
     keys, masks = [], []
-    for rows, index, valid in sources:
-        keys.append(torch.where(valid[..., None], rows[index.clamp(min=0)], 0).to(q.dtype))
+    for rows, index, valid, *fp8_scale in sources:
+        idx = index.clamp(min=0)
+        if fp8_scale:  # dequantised as the cache reads it: value * its 64-block's scale, rounded to q's dtype
+            flat = idx.reshape(-1)
+            got = dequantize_fp8(rows[flat], fp8_scale[0][flat], q.dtype).view(*idx.shape, rows.shape[1])
+        else:
+            got = rows[idx]
+        keys.append(torch.where(valid[..., None], got, 0).to(q.dtype))
         masks.append(valid)
     k, m = torch.cat(keys, dim=1), torch.cat(masks, dim=1)
     return sink_attention(q.unsqueeze(1), k, m.unsqueeze(1), sink, scale).squeeze(1)
@@ -79,21 +87,39 @@ if HAVE_TRITON:
         return m_new, l, acc
 
     @triton.jit
-    def _load_block(n, KV, stride_kv, IDX, VAL, stride_i, K, offs_k, D: tl.constexpr):
-        """Key columns offs_k (those < K) of token n: kv [BK, D] (0 where not valid) and the valid mask."""
+    def _fp8_e4m3_to_f32(b):
+        """float8_e4m3fn bytes (as int32 0..255) -> fp32, exactly: normals rebuilt as fp32 bits, subnormals
+        m * 2^-9 (no NaN: the cache clamps to +-448 before it stores)."""
+        sign = (b >> 7) & 1
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125
+        return tl.where(e == 0, tl.where(sign == 1, -sub, sub), normal)
+
+    @triton.jit
+    def _load_block(n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K, offs_k, D: tl.constexpr,
+                    FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
+        """Key columns offs_k (those < K) of token n: kv [BK, D] (0 where not valid) and the valid mask. FP8:
+        KV holds the e4m3 bytes and SC a float32 scale per row and FP8_BLOCK values; kv is then their
+        product in fp32 (the caller rounds it to q's dtype, as the cache's reads do)."""
         in_range = offs_k < K
         idx = tl.load(IDX + n * stride_i + offs_k, mask=in_range, other=0)
         ok = (tl.load(VAL + n * stride_i + offs_k, mask=in_range, other=0) != 0) & in_range
         offs_d = tl.arange(0, D)
-        kv = tl.load(KV + idx.to(tl.int64)[:, None] * stride_kv + offs_d[None, :], mask=ok[:, None], other=0.0)
+        rows = idx.to(tl.int64)[:, None]
+        kv = tl.load(KV + rows * stride_kv + offs_d[None, :], mask=ok[:, None], other=0)
+        if FP8:
+            sc = tl.load(SC + rows * stride_sc + (offs_d // FP8_BLOCK)[None, :], mask=ok[:, None], other=0.0)
+            kv = _fp8_e4m3_to_f32(kv.to(tl.int32)) * sc
         return kv, ok
 
     @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
-                                 KV1, stride_kv1, IDX1, VAL1, stride_i1, K1,
-                                 KV2, stride_kv2, IDX2, VAL2, stride_i2, K2,
+                                 KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
+                                 KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 IEEE: tl.constexpr):
+                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program."""
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -105,19 +131,21 @@ if HAVE_TRITON:
         l = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         for k0 in range(0, K1, BLOCK_K):
-            kv, ok = _load_block(n, KV1, stride_kv1, IDX1, VAL1, stride_i1, K1, k0 + tl.arange(0, BLOCK_K), D)
-            m, l, acc = _attend_block(q, m, l, acc, kv, ok, scale, IEEE)
+            kv, ok = _load_block(n, KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
+                                 k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
         for k0 in range(0, K2, BLOCK_K):
-            kv, ok = _load_block(n, KV2, stride_kv2, IDX2, VAL2, stride_i2, K2, k0 + tl.arange(0, BLOCK_K), D)
-            m, l, acc = _attend_block(q, m, l, acc, kv, ok, scale, IEEE)
+            kv, ok = _load_block(n, KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
+                                 k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
         out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
 
     @triton.jit
-    def _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV, stride_kv, IDX, VAL, stride_i, K,
-                       start, scale, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    def _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV, stride_kv, SC, stride_sc, IDX, VAL,
+                       stride_i, K, start, scale, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
         """Key columns start .. start + SPLIT - 1 (those < K) of one source -> (m, l); acc stored at WS rows
         ``row`` unless no key of the chunk is valid (then m = -inf, l = 0 and nothing else is done)."""
         offs_s = start + tl.arange(0, SPLIT)
@@ -129,17 +157,18 @@ if HAVE_TRITON:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             acc = tl.zeros([BLOCK_H, D], tl.float32)
             for k0 in range(0, SPLIT, BLOCK_K):  # constexpr bounds
-                kv, ok = _load_block(n, KV, stride_kv, IDX, VAL, stride_i, K, start + k0 + tl.arange(0, BLOCK_K), D)
-                m, l, acc = _attend_block(q, m, l, acc, kv, ok, scale, IEEE)
+                kv, ok = _load_block(n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K,
+                                     start + k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
+                m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
             tl.store(WS + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
         return m, l
 
     @triton.jit
     def _split_partial_kernel(Q, stride_qn, stride_qh, H, scale, WS, WM, WL, C,
-                              KV1, stride_kv1, IDX1, VAL1, stride_i1, K1, C1,
-                              KV2, stride_kv2, IDX2, VAL2, stride_i2, K2,
+                              KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1, C1,
+                              KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
                               D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                              SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                              SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
         """Split path, first kernel, grid (head blocks, C, N): chunk c < C1 holds source 1's key columns
         c*SPLIT.., a later one source 2's (c - C1)*SPLIT.. Scratch (fp32): WS acc [N, C, H, D], WM m and
         WL l [N, C, H]."""
@@ -149,11 +178,13 @@ if HAVE_TRITON:
         hmask = offs_h < H
         row = (n.to(tl.int64) * C + c) * H + offs_h  # [BH] rows of the [N, C, H] scratch
         if c < C1:
-            m, l = _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV1, stride_kv1, IDX1, VAL1,
-                                  stride_i1, K1, c * SPLIT, scale, D, BLOCK_H, BLOCK_K, SPLIT, IEEE)
+            m, l = _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV1, stride_kv1, SC1, stride_sc1,
+                                  IDX1, VAL1, stride_i1, K1, c * SPLIT, scale, D, BLOCK_H, BLOCK_K, SPLIT, IEEE, FP8,
+                                  FP8_BLOCK)
         else:
-            m, l = _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV2, stride_kv2, IDX2, VAL2,
-                                  stride_i2, K2, (c - C1) * SPLIT, scale, D, BLOCK_H, BLOCK_K, SPLIT, IEEE)
+            m, l = _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV2, stride_kv2, SC2, stride_sc2,
+                                  IDX2, VAL2, stride_i2, K2, (c - C1) * SPLIT, scale, D, BLOCK_H, BLOCK_K, SPLIT, IEEE,
+                                  FP8, FP8_BLOCK)
         tl.store(WM + row, m, mask=hmask)
         tl.store(WL + row, l, mask=hmask)
 
@@ -211,8 +242,15 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     at least 32; tests and bench/attention_split.py)."""
     N, H, D = q.shape
     if len(sources) == 1:
-        sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0])]
-    (kv1, i1, v1), (kv2, i2, v2) = sources
+        sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0], *sources[0][3:])]
+    (kv1, i1, v1, *s1), (kv2, i2, v2, *s2) = sources
+    fp8 = bool(s1)
+    if fp8 != bool(s2):
+        raise ValueError("sparse_sink_attention: both key sources are FP8 (with row scales) or neither is")
+    if fp8:  # the e4m3 bytes as uint8 (the kernel decodes them); a scale row per cache row
+        kv1, kv2, sc1, sc2 = kv1.view(torch.uint8), kv2.view(torch.uint8), s1[0], s2[0]
+    else:
+        sc1, sc2 = kv1, kv2  # unused pointers
     out = torch.empty_like(q)
     if N == 0:
         return out
@@ -227,9 +265,9 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     if not split:
         _sparse_sink_attn_kernel[(N, hb)](
             q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
-            kv1, kv1.stride(0), i1, v1, i1.stride(0), K1,
-            kv2, kv2.stride(0), i2, v2, i2.stride(0), K2,
-            D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, IEEE=ieee, num_warps=num_warps)
+            kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
+            kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
+            D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK, num_warps=num_warps)
         return out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
@@ -240,9 +278,10 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     # head blocks fastest: the blocks of one (chunk, token) read the same key rows close together in time
     _split_partial_kernel[(hb, C, N)](  # N, C <= 65535 (decode-like steps only)
         q, q.stride(0), q.stride(1), H, scale, ws, wm, wl, C,
-        kv1, kv1.stride(0), i1, v1, i1.stride(0), K1, C1,
-        kv2, kv2.stride(0), i2, v2, i2.stride(0), K2,
-        D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, SPLIT=split, IEEE=ieee, num_warps=num_warps)
+        kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1, C1,
+        kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
+        D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, SPLIT=split, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
+        num_warps=num_warps)
     block_d = min(D, MERGE_D)
     _split_merge_kernel[(hb, D // block_d, N)](
         sink, out, out.stride(0), out.stride(1), H, ws, wm, wl, C,
