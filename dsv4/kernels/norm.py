@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import HAVE_TRITON
+from .rope import rows_by_head
 
 if HAVE_TRITON:
     import triton
@@ -82,11 +83,7 @@ def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     N, D = x.shape[0], x.shape[-1]
-    x3 = x.reshape(N, -1, D)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    x3, cos, sin, out = rows_by_head(x, cos, sin)
     Hm = x3.shape[1]
     BLOCK_H = max(1, min(triton.next_power_of_2(Hm), 4096 // D))
     w = weight.contiguous() if weight is not None else x3

@@ -44,13 +44,18 @@ def usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return (x.shape[-1] - 2 * cos.shape[-1]) % 2 == 0 and cos.dtype == torch.float32
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    N, D, R = x.shape[0], x.shape[-1], 2 * cos.shape[-1]
-    x3 = x.reshape(N, -1, D)
+def rows_by_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x [N, ..., D] as [N, Hm, D] with unit stride along D, cos/sin contiguous, and an empty output of that
+    shape: the launch arguments of this kernel and of the fused norm + rope (``dsv4.kernels.norm``)."""
+    x3 = x.reshape(x.shape[0], -1, x.shape[-1])
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    return x3, cos.contiguous(), sin.contiguous(), torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    N, D, R = x.shape[0], x.shape[-1], 2 * cos.shape[-1]
+    x3, cos, sin, out = rows_by_head(x, cos, sin)
     Hm = x3.shape[1]
     DP = triton.next_power_of_2(D)
     BLOCK_H = max(1, min(triton.next_power_of_2(max(Hm, 1)), 4096 // DP))
