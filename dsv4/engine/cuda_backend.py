@@ -11,7 +11,7 @@ plain-torch CachedBackend (read-before-write over the combined index space).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,9 +74,10 @@ class CudaBackend(CachedBackend):
         t = self.write_compressed(layer_id, name, comp, rows)
         st = self.storage
         if name == "main":
-            return CacheRows(st.entries[layer_id], t.entry_rows, t.entry_valid, st.entry_scale[layer_id]), \
-                t.entry_valid.unsqueeze(1)
-        return CacheRows(st.index_keys[layer_id], t.entry_rows, t.entry_valid), t.entry_valid.unsqueeze(1)
+            keys = CacheRows(st.entries[layer_id], t.entry_rows, t.entry_valid, st.entry_scale[layer_id])
+        else:
+            keys = CacheRows(st.index_keys[layer_id], t.entry_rows, t.entry_valid)
+        return keys, t.entry_valid.unsqueeze(1)
 
     def select_top(self, compressed, q: torch.Tensor, w: torch.Tensor, keys: CacheRows, k: int):
         """Score the index keys where they lie and keep k entry rows per token (``dsv4.kernels.indexer``): the
@@ -89,5 +90,5 @@ class CudaBackend(CachedBackend):
         sources = [window.source()]
         if compressed is not None:
             rows, visible = compressed
-            sources.append(CacheRows(rows.storage, rows.index, visible[:, 0], rows.scale).source())
+            sources.append(replace(rows, valid=visible[:, 0]).source())
         return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale).unsqueeze(1)

@@ -77,7 +77,7 @@ class ModelRunner:
         # the Triton kernel path for decode-like steps (CUDA; bf16, fp32 or FP8 cache), else the plain-torch path
         self.use_kernels = attention_backend in ("auto", "triton") and CudaBackend.supports(storage)
         if attention_backend == "triton" and not self.use_kernels:
-            raise ValueError("attention_backend='triton' needs a CUDA device and a bf16/fp32 KV cache")
+            raise ValueError("attention_backend='triton' needs a CUDA device (or attention_backend='auto'/'torch')")
         self.max_step_rows = 1 + storage.layout.max_draft_len  # the most rows a decode-like step adds
 
         self.graphs = None  # a GraphRunner once graphs are prepared (CUDA, not enforce_eager)

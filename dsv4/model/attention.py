@@ -200,7 +200,7 @@ class Attention(nn.Module):
         self.fused_input = FusedLinears(self.input_linears())
 
     def project_input(self, x: torch.Tensor) -> dict:
-        return project(x, self.input_linears(), self.fused_input)
+        return project(x, self.fused_input, self.input_linears)
 
     def init_tables(self, device=None, shared: dict | None = None):
         """(Re)compute the rope table on ``device`` (after loading weights built on the meta device). Layers

@@ -10,6 +10,8 @@ its twin; the model fuses on CUDA only.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,7 @@ class FusedLinears:
         return dict(zip(self.names, F.linear(x, self.weight).split(self.sizes, dim=-1)))
 
 
-def project(x: torch.Tensor, named: list[tuple[str, nn.Linear]], fused: FusedLinears | None) -> dict:
-    """{name: module(x)}: one GEMM when ``fused``, else module by module."""
-    return fused(x) if fused is not None else {name: m(x) for name, m in named}
+def project(x: torch.Tensor, fused: FusedLinears | None, named: Callable[[], list[tuple[str, nn.Linear]]]) -> dict:
+    """{name: module(x)}: one GEMM when ``fused``, else module by module (``named`` lists them; it is called only
+    then, so a fused forward builds no list)."""
+    return fused(x) if fused is not None else {name: m(x) for name, m in named()}

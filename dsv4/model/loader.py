@@ -18,10 +18,7 @@ def build_model(cfg: ModelConfig, state_dict: dict, has_mtp: bool, device="cpu")
     with torch.device("meta"):
         model = DeepseekV4(cfg, with_mtp=has_mtp)
     model.load_state_dict({k: v.to(device) for k, v in state_dict.items()}, strict=True, assign=True)
-    model.init_tables(torch.device(device))
-    if torch.device(device).type == "cuda":  # fewer, larger GEMMs where launches and small reads cost
-        model.fuse_projections()
-    return model.eval().requires_grad_(False)
+    return model.finish_loading(device)
 
 
 def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,

@@ -46,6 +46,15 @@ class DeepseekV4(nn.Module):
         for blk in list(self.layers) + list(self.mtp):
             blk.attn.init_tables(device, shared)
 
+    def finish_loading(self, device) -> "DeepseekV4":
+        """After the checkpoint tensors are adopted on ``device``: rope tables, fused projections on CUDA (fewer,
+        larger GEMMs where launches and small reads cost), inference mode."""
+        device = torch.device(device)
+        self.init_tables(device)
+        if device.type == "cuda":
+            self.fuse_projections()
+        return self.eval().requires_grad_(False)
+
     def fuse_projections(self) -> None:
         """Projections that share an input become one GEMM each (``dsv4.model.fused``): a layer's input
         projections, a shared expert's w1 and w3. For the GPU, after loading (weights become views)."""

@@ -103,13 +103,16 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(d, I, bias=False)
         self.fused: FusedLinears | None = None
 
+    def input_linears(self) -> list[tuple[str, nn.Linear]]:
+        return [("gate", self.w1), ("up", self.w3)]
+
     def fuse(self) -> None:
         """w1 and w3 read the same x: one GEMM (``dsv4.model.fused``); call once, after loading."""
-        self.fused = FusedLinears([("gate", self.w1), ("up", self.w3)])
+        self.fused = FusedLinears(self.input_linears())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, d] in x's dtype (MoE adds it to the fp32 routed sum: the promotion is exact)."""
-        h = project(x, [("gate", self.w1), ("up", self.w3)], self.fused)
+        h = project(x, self.fused, self.input_linears)
         return self.w2(swiglu_to(h["gate"], h["up"], self.limit, None, x.dtype))
 
 

@@ -187,7 +187,4 @@ def build_shard(cfg: ModelConfig, full_sd: dict[str, torch.Tensor], has_mtp: boo
         model = DeepseekV4(cfg, with_mtp=has_mtp)
         _parallelize(model, cfg, m, comm)
     model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True, assign=True)
-    model.init_tables(torch.device(device))
-    if torch.device(device).type == "cuda":  # as build_model (the fused projections are replicated ones)
-        model.fuse_projections()
-    return model.eval().requires_grad_(False)
+    return model.finish_loading(device)  # the fused projections are replicated ones
