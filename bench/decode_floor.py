@@ -54,23 +54,26 @@ def main():
     cfg = get_preset(args.preset)
     bw = copy_bandwidth()
     llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
-              max_seq_len=args.prompt_len + args.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2})
+              max_seq_len=args.prompt_len + 3 * args.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2})
     eng = llm.engine
     rng = random.Random(0)
     rows = []
     for B in args.batch:
         for i in range(B):
             eng.add_request([rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)],
-                            SamplingParams(max_tokens=args.steps + 4, ignore_eos=True))
+                            SamplingParams(max_tokens=3 * args.steps + 6, ignore_eos=True))
+        eng.overlap_scheduler = False
         eng.step()  # the prefill of all B
         eng.step()
-        times = []
+        times = []  # each step on its own: the host's work and the device's add up
         for _ in range(args.steps):
             sync()
             t0 = time.perf_counter()
             eng.step()
             sync()
             times.append(time.perf_counter() - t0)
+        t_row = in_a_row(eng, args.steps, overlap=False)
+        t_overlap = in_a_row(eng, args.steps, overlap=True)  # the host prepares step n+1 while step n runs
         while eng.has_unfinished_requests():
             eng.step()
         t = statistics.median(times)
@@ -80,17 +83,34 @@ def main():
             replay, _ = timed(g._b[B].graphs["target"].replay, repeat=20)
         b = step_bytes(cfg, B, args.prompt_len + 4)
         floor = b["total"] / bw
-        rows.append([B, t * 1e3, floor * 1e3, f"{100 * floor / t:.1f}%",
+        pct = " / ".join(f"{100 * floor / x:.1f}%" for x in (t, t_row, t_overlap))
+        rows.append([B, f"{t * 1e3:.2f} / {t_row * 1e3:.2f} / {t_overlap * 1e3:.2f}", floor * 1e3, pct,
                      "-" if replay is None else f"{replay * 1e3:.2f} ({100 * floor / replay:.0f}% of floor)",
                      f"{b['total'] / 1e9:.2f}", f"{b['routed experts'] / 1e9:.2f}", f"{b['lm head'] / 1e9:.2f}"])
-    text = table(["batch", "step ms (median)", "floor ms", "% of floor", "forward alone ms (graph replay)",
+    text = table(["batch", "step ms: alone / in a row / in a row, overlapped", "floor ms", "% of floor",
+                  "forward alone ms (graph replay)",
                   "GB read", "of which experts", "lm head"], rows)
     what = f"{args.preset}, bf16, {args.prompt_len}-token prompts"
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
-                 " as the expected number of distinct experts B tokens route to (6 of E each). The step is"
-                 " engine.step() wall time (schedule, plan, forward, sampling, commit); 'forward alone' replays"
-                 " the step's captured target graph with nothing else, so step - forward is host overhead.")
+                 " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"
+                 " engine.step() (schedule, plan, forward, sampling, commit) with the device synchronised before"
+                 " and after and the overlap scheduler off, so the host's work and the device's add up; 'in a"
+                 " row': the mean of consecutive steps, the overlap scheduler off, then on ('overlapped': the"
+                 " host prepares step n+1 while the device runs step n), what a decoding request sees per"
+                 " token. 'Forward alone' replays the step's captured target graph with nothing else.")
+
+
+def in_a_row(eng, steps: int, overlap: bool) -> float:
+    """Mean wall time of ``steps`` consecutive engine steps (the device synchronised only around them all)."""
+    eng.overlap_scheduler = overlap
+    eng.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    return (time.perf_counter() - t0) / steps
 
 
 if __name__ == "__main__":

@@ -194,6 +194,32 @@ def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
     assert out == dense_greedy(llm.model, prompts, 16)
 
 
+def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
+    """fp32, CUDA graphs on: the overlap scheduler (inputs taken from the device, copies that do not wait)
+    gives the tokens and finish reasons of the same engine with it off, with stop tokens that end requests
+    while their next step is already launched; and it did overlap."""
+    from dsv4 import SamplingParams
+    from dsv4.engine import runner as runner_mod
+
+    seen, real = [], runner_mod.pending_inputs
+    monkeypatch.setattr(runner_mod, "pending_inputs", lambda seqs, prev: (lambda r: seen.append(len(r[0])) or r)(
+        real(seqs, prev)))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    kw = dict(cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]})
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (16, 7, 12, 16, 9)]
+    ref = [o.outputs[0].token_ids for o in _engine("tiny", disable_overlap_scheduler=True, **kw).generate(prompts, sp)]
+    for i in (0, 3):
+        sp[i] = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[ref[i][5]])
+    off = _engine("tiny", disable_overlap_scheduler=True, **kw)
+    ref = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, sp)]
+    seen.clear()
+    on = _engine("tiny", **kw)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in on.generate(prompts, sp)] == ref
+    assert sum(seen) > 0 and on.engine.runner.graphs.num_replays > 0
+    assert [r[1] for r in ref].count("stop") == 2
+
+
 def test_bf16_teacher_forced_logits_match_dense_reference():
     """bf16 on the GPU: the engine's prefill, decode and verify paths (graphs and padding on) give the
     logits of the bf16 dense reference at the same positions, within bf16 bounds."""

@@ -57,6 +57,7 @@ import torch
 
 from dsv4.cache.layout import CacheLayout
 from dsv4.kernels import expand as expand_kernel
+from dsv4.transfer import to_device
 
 _I64 = torch.int64
 
@@ -365,12 +366,6 @@ def expand_rows_torch(layout: CacheLayout, shape: PlanShape, rows: torch.Tensor,
     return out
 
 
-def _to_device(vector: np.ndarray, device) -> torch.Tensor:
-    """A host int64 vector on ``device`` in one copy. Not pinned: the vector is a few hundred bytes and the
-    device is idle when a step begins, while pinning a fresh buffer cost ~0.1 ms of host time per step."""
-    return torch.from_numpy(vector).to(device)
-
-
 def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int, req_ids: Sequence,
                num_computed: Sequence[int], num_new: Sequence[int], draft_lens: Sequence[int],
                slots: Sequence[int], block_tables: Sequence[Sequence[int]], pad_tokens_to: int | None = None,
@@ -422,5 +417,5 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         num_new=tuple(num_new), draft_lens=tuple(draft_lens), slot_ids=tuple(slots),
         block_ids=tuple(tuple(b) for b in block_tables), num_tokens=N, num_seqs=B, shape=shape,
         num_windows=MappingProxyType(real_windows), layout=layout, num_slots=num_slots,
-        rows=_to_device(rows, device),
+        rows=to_device(rows, device),
     )

@@ -18,7 +18,8 @@ from ..cache.manager import SeqStep
 from ..config import ModelConfig
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request
-from .runner import ModelRunner, TargetOutput
+from ..transfer import HostCopy
+from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
@@ -50,6 +51,9 @@ class LLMEngine:
         # Test-only hook: replaces the MTP's greedy drafts (e.g. with the known answer part of the time) so
         # both the accept and the reject branch run on random weights. None in normal use.
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
+        # the overlap scheduler (see ``step``); a benchmark may switch it between steps
+        self.overlap_scheduler = not engine_cfg.disable_overlap_scheduler
+        self._pending: LaunchedStep | None = None  # the overlapped step whose tokens are not read back yet
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -81,54 +85,122 @@ class LLMEngine:
             self.scheduler.finish(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the outputs of the requests that gained tokens or finished.
+
+        With the overlap scheduler a greedy step without MTP is launched and left running: its tokens are
+        read back in the next call, after that call has launched the next step (whose inputs come straight
+        from the device), so each call returns the previous step's tokens. A step that cannot overlap (MTP,
+        sampling, overlap disabled) reads its own tokens as before.
+        """
+        prev, self._pending = self._pending, None
         seqs = self.scheduler.schedule()
         if not seqs:
-            return []
+            return self._settle(*self._resolve(prev)) if prev is not None else []
         mtp = self.draft_len > 0
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (mtp and s.sample) else 0) for s in seqs],
             device=self.device, **self.runner.padding_for(seqs))
+        done: tuple[list, list] = ([], [])
         try:
-            accepted, emitted = self._run(seqs, plan, mtp)
+            target = self.runner.forward(seqs, plan, prev) if prev is not None else self.runner.forward(seqs, plan)
+            launched = self._launch(seqs, target) if self._overlaps(seqs) else None
+            if prev is not None:
+                done, prev = self._resolve(prev), None
+            if launched is not None:
+                accepted, emitted = [s.num_new for s in seqs], [[] for _ in seqs]
+            else:
+                accepted, emitted = self._run(seqs, plan, target, mtp)
         except BaseException:
-            # the step's rows may be half written: the cache frees its requests; they end with an error
+            # the step's rows may be half written: the cache frees its requests; they end with an error, and
+            # so do those of an overlapped step whose tokens were not read back
             self.cache.abort_step(plan)
             for s in seqs:
                 s.request.finish_reason = "error"
                 self.scheduler.forget(s.request)
+            for s in (prev.seqs if prev is not None else ()):
+                if not s.request.finished:
+                    s.request.finish_reason = "error"
+                    self.scheduler.finish(s.request)
+            self._settle(*done)  # an overlapped step read back before the failure: release what it ended
             raise
         self.cache.commit_step(plan, accepted)
+        for s, a in zip(seqs, accepted):
+            s.request.num_computed += a
+        self._pending = launched
         self.num_steps += 1
+        outs = self._settle(*done) + self._settle(seqs, emitted)
         self.last_step = {"step": self.num_steps, "num_seqs": len(seqs),
                           "num_tokens": sum(s.num_new for s in seqs),
                           "num_context": sum(1 for s in seqs if not s.request.in_decode or not s.sample),
                           "num_generation": sum(1 for s in seqs if s.sample and s.request.num_computed > 0),
-                          "num_emitted": sum(len(e) for e in emitted),
+                          "num_emitted": sum(len(e) for e in done[1]) + sum(len(e) for e in emitted),
                           "num_free_blocks": self.cache.num_free_blocks}
+        return outs
 
+    def _settle(self, seqs: list[ScheduledSeq], emitted: list[list[int]]) -> list[RequestOutput]:
+        """Release the requests that finished (outside any active step) and build the outputs of those that
+        gained tokens or finished."""
         outs = []
-        for s, a, new in zip(seqs, accepted, emitted):
+        for s, new in zip(seqs, emitted):
             req = s.request
-            req.num_computed += a
-            if req.finish_reason is not None:
+            ended = req.finish_reason is not None and not req.finished
+            if ended:
                 req.finish_time = time.perf_counter()
                 self.scheduler.finish(req)
-            if new or req.finished:
+            if new or ended:
                 outs.append(self._output(req))
         return outs
 
-    def _run(self, seqs: list[ScheduledSeq], plan, mtp: bool) -> tuple[list[int], list[list[int]]]:
-        """Target forward, verify/sample, MTP proposal. Returns accepted counts and emitted tokens."""
-        target = self.runner.forward(seqs, plan)
+    # ---- the overlap scheduler ----------------------------------------------------------------------
+    def _overlaps(self, seqs: list[ScheduledSeq]) -> bool:
+        """Leave this step's tokens on the device: overlap on, no MTP, a runner that takes inputs from the
+        device (not the multi-rank driver's), and every sampled row greedy."""
+        if not (self.overlap_scheduler and self.draft_len == 0 and self.runner.supports_overlap):
+            return False
+        return any(s.sample for s in seqs) and all(
+            not s.sample or (s.request.params.greedy and not s.drafts) for s in seqs)
+
+    def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
+        """The step's greedy tokens, argmax on the device and queued for the host; each sampled request
+        counts one pending token until ``_resolve`` reads it."""
+        rows = target.rows if target.rows is not None else torch.cat([b for b in target.logits if b is not None])
+        tokens = greedy_tokens(rows)
+        row_of = {}
+        for s in seqs:
+            if s.sample:
+                row_of[s.request.request_id] = len(row_of)
+                s.request.num_pending += 1
+        return LaunchedStep(seqs, tokens, row_of, HostCopy(tokens))
+
+    def _resolve(self, step: LaunchedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
+        """Read back an overlapped step's tokens and append them (a request that ended meanwhile, by an
+        abort or at an earlier stop token, drops its token)."""
+        toks = step.host.tolist()
+        emitted = []
+        for s in step.seqs:
+            req, new = s.request, []
+            if s.sample:
+                req.num_pending -= 1
+                if req.finish_reason is None:
+                    new = req.append([toks[step.row_of[req.request_id]]])
+                    self.spec_stats.record(0, 0)
+            emitted.append(new)
+        return step.seqs, emitted
+
+    def _run(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,
+             mtp: bool) -> tuple[list[int], list[list[int]]]:
+        """Verify/sample the target's logits, MTP proposal. Returns accepted counts and emitted tokens. A
+        request that ended while this step ran (a stop token read back from the overlapped step before)
+        emits nothing."""
         greedy = self._greedy_ids([lg if s.sample and s.request.params.greedy else None
                                    for s, lg in zip(seqs, target.logits)], target)
         accepted, emitted = [], []
         for s, logits, ids in zip(seqs, target.logits, greedy):
-            if not s.sample:
+            if not s.sample or s.request.finish_reason is not None:
                 accepted.append(s.num_new)
                 emitted.append([])
                 continue

@@ -7,6 +7,10 @@ Token regions of a running request (C = ``num_computed``, positions whose cache 
              |<------ computed: 0..C-1 ------>|<-- to compute -->|
     prefill: C < len-1  -> the step computes a chunk tokens[C : C+n]; the last chunk (C+n == len) samples
     decode:  C == len-1 -> the step computes tokens[len-1] and the k drafts (a verify when k > 0)
+
+With the overlap scheduler a request's newest token may still be on the device (``num_pending``): it counts
+in ``num_tokens`` and reads as ``PENDING`` until the engine has read it back; the runner takes its value
+from the device output of the step that sampled it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling_params import SamplingParams
+
+PENDING = -1  # the id of a token sampled on the device and not read back yet
 
 
 class Status(enum.Enum):
@@ -44,6 +50,7 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [k, V] q of each draft (sampling only)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_pending: int = 0  # sampled tokens still on the device (overlap scheduler), after output_ids
 
     @property
     def tokens(self) -> list[int]:
@@ -52,20 +59,30 @@ class Request:
 
     def token_at(self, p: int) -> int:
         P = len(self.prompt_ids)
-        return self.prompt_ids[p] if p < P else self.output_ids[p - P]
+        if p < P:
+            return self.prompt_ids[p]
+        return self.output_ids[p - P] if p - P < len(self.output_ids) else PENDING
 
     def token_range(self, start: int, stop: int) -> tuple[int, ...]:
-        """tokens[start:stop] without building the whole sequence."""
-        P = len(self.prompt_ids)
-        if stop <= P:
-            return tuple(self.prompt_ids[start:stop])
-        if start >= P:
-            return tuple(self.output_ids[start - P:stop - P])
-        return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[:stop - P])
+        """tokens[start:stop] without building the whole sequence (pending tokens read as PENDING)."""
+        P, K = len(self.prompt_ids), len(self.prompt_ids) + len(self.output_ids)
+        known = stop if stop <= K else K
+        if known <= P:
+            out = tuple(self.prompt_ids[start:known])
+        elif start >= P:
+            out = tuple(self.output_ids[start - P:known - P])
+        else:
+            out = tuple(self.prompt_ids[start:]) + tuple(self.output_ids[:known - P])
+        return out + (PENDING,) * (stop - max(known, start))
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def awaiting_finish(self) -> bool:
+        """Its pending tokens reach max_tokens: it ends when they are read back, and computes nothing more."""
+        return self.num_pending > 0 and len(self.output_ids) + self.num_pending >= self.params.max_tokens
 
     @property
     def in_decode(self) -> bool:

@@ -16,8 +16,10 @@ import torch
 
 from ..cache.storage import CacheStorage
 from ..model.model import DeepseekV4
+from ..transfer import HostCopy, to_device
 from .backend import CachedBackend
 from .cuda_backend import CudaBackend
+from .request import PENDING
 from .scheduler import ScheduledSeq
 
 
@@ -64,6 +66,32 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
                        tuple(b for b in range(len(seqs)) if drafting[b]))
 
 
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step the overlap scheduler left running: its greedy tokens on the device, one per sampled request,
+    and on their way to the host. The next step reads its requests' pending inputs from ``tokens``."""
+
+    seqs: list[ScheduledSeq]
+    tokens: torch.Tensor  # [R] device, the sampled requests in step order
+    row_of: dict  # request id -> its row of ``tokens``
+    host: HostCopy
+
+
+def pending_inputs(seqs: Sequence[ScheduledSeq], prev: LaunchedStep | None) -> tuple[list[int], list[int]]:
+    """(step positions, rows of ``prev.tokens``) of the inputs still on the device. A request's pending
+    token is its newest, so it can only be the last input of its row."""
+    dst, src, off = [], [], 0
+    for s in seqs:
+        if s.token_ids[-1] == PENDING:
+            if prev is None or s.request.request_id not in prev.row_of:
+                raise RuntimeError(f"request {s.request.request_id!r}: an input token is still on the device but"
+                                   " no overlapped step holds it")
+            dst.append(off + s.num_new - 1)
+            src.append(prev.row_of[s.request.request_id])
+        off += s.num_new
+    return dst, src
+
+
 @dataclass
 class TargetOutput:
     streams: torch.Tensor  # [N_pad, n, d] last-layer hc streams
@@ -72,6 +100,8 @@ class TargetOutput:
 
 
 class ModelRunner:
+    supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
+
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto"):
         self.model, self.storage, self.device = model, storage, torch.device(device)
         # the Triton kernel path for decode-like steps (CUDA; bf16, fp32 or FP8 cache), else the plain-torch path
@@ -108,18 +138,20 @@ class ModelRunner:
         return CachedBackend.for_draft(tables, self.storage)
 
     def _ids(self, values: list[int], length: int) -> torch.Tensor:
-        out = torch.zeros(length, dtype=torch.long)
-        out[: len(values)] = torch.tensor(values, dtype=torch.long)
-        return out.to(self.device)
+        """Token ids padded with 0 to ``length``, on the device (a copy that does not wait for it)."""
+        return to_device(list(values) + [0] * (length - len(values)), self.device)
 
     # ---- the passes on plain inputs (what every rank of a multi-rank run also calls) -----------------
     @torch.no_grad()
-    def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False):
+    def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False,
+                   pending: tuple | None = None):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None). ``graphed``: replay the
-        plan's CUDA graph bucket (or run its static buffers eagerly when not capturing)."""
-        ids = self._ids(list(token_ids), plan.shape.tokens)
-        # before the forward: a host-to-device copy after a graph replay would wait for the replay to finish
-        idx = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device) if logit_rows else None
+        plan's CUDA graph bucket (or run its static buffers eagerly when not capturing). ``pending``:
+        (positions, device tokens) of inputs that are still on the device (PENDING in ``token_ids``)."""
+        ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
+        if pending:
+            ids[to_device(pending[0], self.device)] = pending[1]
+        idx = to_device(list(logit_rows), self.device) if logit_rows else None
         if graphed:
             self._check_graphed(plan)
             X, all_logits = self.graphs.target(plan, ids)
@@ -184,9 +216,13 @@ class ModelRunner:
 
     # ---- the engine's calls ------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
+    def forward(self, seqs: list[ScheduledSeq], plan, prev: LaunchedStep | None = None) -> TargetOutput:
+        """The target pass over the step. ``prev``: the overlapped step still running, whose tokens are the
+        inputs this step's requests have as PENDING."""
         ids, rows, counts = target_inputs(seqs)
-        X, logits = self.run_target(plan, ids, rows, self._graphed(plan))
+        dst, src = pending_inputs(seqs, prev)
+        pending = (dst, prev.tokens[to_device(src, self.device)]) if dst else None
+        X, logits = self.run_target(plan, ids, rows, self._graphed(plan), pending)
         per_seq, off = [], 0
         for c in counts:
             per_seq.append(logits[off:off + c] if c else None)

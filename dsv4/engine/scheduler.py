@@ -66,6 +66,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _plan_tokens(self, req: Request, budget: int) -> ScheduledSeq | None:
+        if req.awaiting_finish:  # its last token is on the device: nothing more to compute
+            return None
         C, L = req.num_computed, req.num_tokens
         if C == L - 1:  # decode, verifying any pending drafts
             ids = (req.token_at(C),) + tuple(req.drafts)

@@ -144,7 +144,10 @@ class LaneRunner(ModelRunner):
 # ---- the driver ---------------------------------------------------------------------------------------------------
 class DistributedRunner(LaneRunner):
     """The engine's runner on rank 0: same ``forward`` / ``propose`` as ModelRunner, and every pass is
-    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``)."""
+    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). The inputs it
+    announces are host token ids, so the engine does not overlap steps on it (``supports_overlap``)."""
+
+    supports_overlap = False
 
     def __init__(self, model, storage, device, attention_backend, group, mapping):
         super().__init__(model, storage, device, attention_backend)

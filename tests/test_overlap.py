@@ -1,0 +1,138 @@
+"""The overlap scheduler (a greedy step is launched before the previous step's tokens are read back) against
+its twin, the same engine with ``disable_overlap_scheduler``: same tokens, same finish reasons, the cache
+checked after every step, through chunked prefill, waiting admission, stop tokens, sampling, preemption and
+aborts."""
+
+import random
+
+import pytest
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine import runner as runner_mod
+from dsv4.engine.request import PENDING, Request
+
+
+def _llm(overlap: bool, **kw):
+    kw.setdefault("max_batch_size", 4)
+    kw.setdefault("max_num_tokens", 48)  # prompts over 48 tokens prefill in chunks
+    kw.setdefault("max_seq_len", 256)
+    kw.setdefault("kv_cache_config", {"max_tokens": 4096})
+    return LLM("tiny", warmup=False, disable_overlap_scheduler=not overlap, **kw)
+
+
+def _prompts(lens, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 256) for _ in range(L)] for L in lens]
+
+
+@pytest.fixture
+def count_overlapped(monkeypatch):
+    """Counts the target passes that took an input still on the device."""
+    seen = []
+    real = runner_mod.pending_inputs
+
+    def counting(seqs, prev):
+        dst, src = real(seqs, prev)
+        seen.append(len(dst))
+        return dst, src
+
+    monkeypatch.setattr(runner_mod, "pending_inputs", counting)
+    return seen
+
+
+def _run(llm, prompts, params):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+
+
+def test_overlap_equals_sync(monkeypatch, count_overlapped):
+    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")  # the cache's integrity check after every step
+    prompts = _prompts([1, 9, 40, 130, 3, 77, 20])
+    lengths = [12, 5, 17, 9, 1, 14, 11]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    ref = _run(_llm(False), prompts, params)
+    assert not any(count_overlapped)
+    # a stop token in the middle of three outputs: the overlapped engine has already launched the step
+    # after it and must drop that step's token
+    for i in (0, 2, 5):
+        params[i] = SamplingParams(max_tokens=lengths[i], ignore_eos=True, stop_token_ids=[ref[i][0][4]])
+    params[3] = SamplingParams(max_tokens=9, temperature=0.8, seed=5)  # sampled: its steps read tokens at once
+    ref = _run(_llm(False), prompts, params)
+    assert [r[1] for r in ref].count("stop") >= 3
+    llm = _llm(True)
+    assert _run(llm, prompts, params) == ref
+    assert sum(count_overlapped) > 0
+    cache = llm.engine.cache
+    assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
+
+
+def test_overlap_with_preemption_equals_sync(count_overlapped):
+    prompts = _prompts([40, 60, 80, 30, 100, 50], seed=3)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(kv_cache_config={"max_tokens": 384, "tokens_per_block": 16}, max_seq_len=160, max_batch_size=8,
+              max_num_tokens=96)
+    ref = _run(_llm(False, **kw), prompts, sp)
+    llm = _llm(True, **kw)
+    assert _run(llm, prompts, sp) == ref
+    assert llm.get_stats()["num_preemptions"] > 0 and sum(count_overlapped) > 0
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_abort_while_a_token_is_on_the_device():
+    llm = _llm(True)
+    eng = llm.engine
+    a = eng.add_request([5, 6, 7] * 20, SamplingParams(max_tokens=30, ignore_eos=True))
+    b = eng.add_request([9, 8] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    req = eng.requests[a]
+    assert req.num_pending == 1  # its newest token is still on the device
+    kept = list(req.output_ids)
+    eng.abort_request(a)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(eng.requests[b].output_ids) == 10
+    assert req.finish_reason == "abort" and req.output_ids == kept and req.num_pending == 0
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and eng.cache.num_free_slots == eng.cache.num_slots
+    eng.cache.check_integrity()
+
+
+def test_each_call_returns_the_step_before():
+    """A step's tokens come back from the next call; the last ones from a call that launches nothing."""
+    eng = _llm(True).engine
+    rid = eng.add_request([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    got = [len(o.outputs[0].token_ids) for _ in range(4) for o in eng.step()]
+    assert got == [1, 2, 3] and eng.requests[rid].finished and not eng.has_unfinished_requests()
+    assert eng.num_steps == 3  # the prefill and two decodes: the third token needed no fourth step
+
+
+def test_pending_tokens_read_as_pending():
+    r = Request("x", [1, 2, 3], SamplingParams(max_tokens=5))
+    r.output_ids, r.num_pending = [4], 1
+    assert r.num_tokens == 5 and r.token_at(3) == 4 and r.token_at(4) == PENDING
+    assert r.token_range(2, 5) == (3, 4, PENDING) and r.token_range(4, 5) == (PENDING,)
+    assert not r.awaiting_finish
+    r.num_pending = 4
+    assert r.awaiting_finish
+
+
+def test_a_failing_step_ends_its_requests_and_the_overlapped_ones(monkeypatch):
+    """A forward that raises while an overlapped step is in flight: the requests of both steps end with an
+    error, the cache is whole and free, and the engine serves the next request."""
+    eng = _llm(True).engine
+    rids = [eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in _prompts([5, 30, 9])]
+    reqs = [eng.requests[r] for r in rids]
+    for _ in range(3):
+        eng.step()
+    assert eng._pending is not None
+    real = eng.runner.forward
+    monkeypatch.setattr(eng.runner, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("device fault")))
+    with pytest.raises(RuntimeError, match="device fault"):
+        eng.step()
+    assert all(r.finish_reason == "error" and r.finished for r in reqs)
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and eng.cache.num_free_slots == eng.cache.num_slots
+    eng.cache.check_integrity()
+    monkeypatch.setattr(eng.runner, "forward", real)
+    rid = eng.add_request([4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(eng.requests[rid].output_ids) == 4
