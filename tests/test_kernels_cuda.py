@@ -197,7 +197,7 @@ def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
 def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
     """fp32, CUDA graphs on: the overlap scheduler (inputs taken from the device, copies that do not wait)
     gives the tokens and finish reasons of the same engine with it off, with stop tokens that end requests
-    while their next step is already launched; and it did overlap."""
+    while their next step is already launched and a sampled request; and it did overlap."""
     from dsv4 import SamplingParams
     from dsv4.engine import runner as runner_mod
 
@@ -211,6 +211,7 @@ def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
     ref = [o.outputs[0].token_ids for o in _engine("tiny", disable_overlap_scheduler=True, **kw).generate(prompts, sp)]
     for i in (0, 3):
         sp[i] = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[ref[i][5]])
+    sp[2] = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, seed=3)  # drawn on the device when overlapped
     off = _engine("tiny", disable_overlap_scheduler=True, **kw)
     ref = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, sp)]
     seen.clear()

@@ -91,10 +91,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs of the requests that gained tokens or finished.
 
-        With the overlap scheduler a greedy step without MTP is launched and left running: its tokens are
-        read back in the next call, after that call has launched the next step (whose inputs come straight
-        from the device), so each call returns the previous step's tokens. A step that cannot overlap (MTP,
-        sampling, overlap disabled) reads its own tokens as before.
+        With the overlap scheduler a step without MTP is launched and left running: its tokens are read back
+        in the next call, after that call has launched the next step (whose inputs come straight from the
+        device), so each call returns the previous step's tokens. A step that cannot overlap (MTP, overlap
+        disabled, the multi-rank driver) reads its own tokens as before.
         """
         prev, self._pending = self._pending, None
         seqs = self.scheduler.schedule()
@@ -157,23 +157,25 @@ class LLMEngine:
 
     # ---- the overlap scheduler ----------------------------------------------------------------------
     def _overlaps(self, seqs: list[ScheduledSeq]) -> bool:
-        """Leave this step's tokens on the device: overlap on, no MTP, a runner that takes inputs from the
-        device (not the multi-rank driver's), and every sampled row greedy."""
-        if not (self.overlap_scheduler and self.draft_len == 0 and self.runner.supports_overlap):
-            return False
-        return any(s.sample for s in seqs) and all(
-            not s.sample or (s.request.params.greedy and not s.drafts) for s in seqs)
+        """Leave this step's tokens on the device: overlap on, no MTP, and a runner that takes inputs from the
+        device (not the multi-rank driver's)."""
+        return (self.overlap_scheduler and self.draft_len == 0 and self.runner.supports_overlap
+                and any(s.sample for s in seqs))
 
     def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
-        """The step's greedy tokens, argmax on the device and queued for the host; each sampled request
-        counts one pending token until ``_resolve`` reads it."""
+        """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
+        request's generator, as the synchronous step draws them) and queued for the host; each sampled
+        request counts one pending token until ``_resolve`` reads it."""
         rows = target.rows if target.rows is not None else torch.cat([b for b in target.logits if b is not None])
         tokens = greedy_tokens(rows)
         row_of = {}
         for s in seqs:
             if s.sample:
-                row_of[s.request.request_id] = len(row_of)
-                s.request.num_pending += 1
+                r = row_of[s.request.request_id] = len(row_of)
+                req = s.request
+                if not req.params.greedy:
+                    tokens[r:r + 1] = sample(probs_from_logits(rows[r:r + 1], req.params), req.generator)
+                req.num_pending += 1
         return LaunchedStep(seqs, tokens, row_of, HostCopy(tokens))
 
     def _resolve(self, step: LaunchedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
