@@ -95,10 +95,20 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
         "cuda_graph_config": (vars(cfg.cuda_graph_config) if cfg.cuda_graph_config is not None else None),
         "enforce_eager": cfg.enforce_eager,
         "cuda_graphs": _graphs(llm),
+        "overlap_scheduler": _overlap(llm, cfg),
         "moe_backend": cfg.moe_config.backend,
         "settings": settings.merged,
         "settings_from": settings.sources,
     }
+
+
+def _overlap(llm, cfg) -> str:
+    """on, or off and why (disable_overlap_scheduler, MTP, several ranks)."""
+    if llm.engine.overlaps_steps:
+        return "on"
+    if cfg.disable_overlap_scheduler:
+        return "off (disable_overlap_scheduler)"
+    return "off (MTP steps read their tokens at once)" if cfg.draft_len else "off (several ranks)"
 
 
 def _graphs(llm) -> dict | None:
@@ -222,6 +232,7 @@ def format_report(rep: dict) -> str:
     L.append(_row("CUDA graphs", "none (every step eager)" if g is None else
                   f"{'captured' if g['captured'] else 'static buffers, not captured (CPU)'}: batch sizes"
                   f" {g['batch_sizes']} x {g['rows_per_request']} rows, {g['replays']} step(s) replayed"))
+    L.append(_row("Overlap scheduler", e.get("overlap_scheduler", "-")))
     L.append(_row("KV cache dtype / tokens per block", f"{kv['dtype']} / {kv['tokens_per_block']}"))
     L.append(_row("KV cache free memory fraction",
                   f"{kv['free_gpu_memory_fraction']} (from {kv['free_gpu_memory_fraction_from']})"))

@@ -3,8 +3,9 @@
 At most ``concurrency`` requests are in flight (-1: all at once; the engine's scheduler still runs at most
 ``max_batch_size`` of them per step); a new one is added whenever one finishes. Every request asks for exactly
 its ``output_tokens`` (``ignore_eos``). Times are ``time.perf_counter()`` taken here, where a caller sees them:
-arrival just before ``add_request``, and each token's arrival when the ``step()`` that produced it returns
-(so MTP's several tokens from one step share a time). A request the engine refuses gets its error and the
+arrival just before ``add_request``, and each token's arrival when the ``step()`` that returns it returns
+(so MTP's several tokens from one step share a time; with the overlap scheduler that is the call after the
+one that launched its step). A request the engine refuses gets its error and the
 others go on. ``--warmup`` requests run first through the same loop, untimed and unreported.
 """
 

@@ -156,11 +156,15 @@ class LLMEngine:
         return outs
 
     # ---- the overlap scheduler ----------------------------------------------------------------------
-    def _overlaps(self, seqs: list[ScheduledSeq]) -> bool:
-        """Leave this step's tokens on the device: overlap on, no MTP, and a runner that takes inputs from the
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether steps overlap: the overlap scheduler on, no MTP, and a runner that takes inputs from the
         device (not the multi-rank driver's)."""
-        return (self.overlap_scheduler and self.draft_len == 0 and self.runner.supports_overlap
-                and any(s.sample for s in seqs))
+        return self.overlap_scheduler and self.draft_len == 0 and self.runner.supports_overlap
+
+    def _overlaps(self, seqs: list[ScheduledSeq]) -> bool:
+        """Leave this step's tokens on the device (a step that samples nothing has none)."""
+        return self.overlaps_steps and any(s.sample for s in seqs)
 
     def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
         """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
