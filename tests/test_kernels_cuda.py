@@ -211,7 +211,8 @@ def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
     ref = [o.outputs[0].token_ids for o in _engine("tiny", disable_overlap_scheduler=True, **kw).generate(prompts, sp)]
     for i in (0, 3):
         sp[i] = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[ref[i][5]])
-    sp[2] = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, seed=3)  # drawn on the device when overlapped
+    # drawn on the device when overlapped; EOS ignored, so the two stop tokens are the only early ends
+    sp[2] = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_k=50, seed=3)
     off = _engine("tiny", disable_overlap_scheduler=True, **kw)
     ref = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, sp)]
     seen.clear()
