@@ -232,6 +232,19 @@ def test_one_bad_request_among_good(env, capsys, tmp_path):
     assert "FAILED REQUESTS (1)" in out and "task_id 2 (line 3)" in out
 
 
+def test_disable_overlap_scheduler_from_the_yaml(env, capsys, tmp_path):
+    """TensorRT-LLM's key turns the overlap scheduler off; the run is otherwise the same and says so."""
+    cfg = tmp_path / "noov.yml"
+    cfg.write_bytes(NO_MTP_YML + b"disable_overlap_scheduler: true\n")
+    report = tmp_path / "r.json"
+    rc, out, err = run_main(seed_argv(env["ckpt"], env["dataset"], str(cfg)) + ["--report_json", report], capsys)
+    assert rc == 0, err
+    rep = json.loads(report.read_text())
+    assert rep["engine"]["overlap_scheduler"] == "off (disable_overlap_scheduler)"
+    assert [r["output_len"] for r in rep["per_request"]] == env["asked"][:NUM_REQUESTS]
+    assert re.search(r"Overlap scheduler: +off \(disable_overlap_scheduler\)\n", out)
+
+
 BAD_YAML = {
     "malformed": (b"kv_cache_config:\n  tokens_per_block: [128,\n", ["not valid YAML", "line"]),
     "unknown_key": (b"max_batch_sise: 8\n", ["'max_batch_sise'", "valid keys", "max_batch_size",
@@ -242,6 +255,7 @@ BAD_YAML = {
     "not_a_mapping": (b"- kv_cache_config\n", ["mapping"]),
     "bad_kv_dtype": (b"kv_cache_config:\n  dtype: int4\n", ["kv_cache_config.dtype", "int4"]),
     "bad_decoding_type": (b"speculative_config:\n  decoding_type: Eagle3\n", ["decoding_type", "MTP"]),
+    "bad_overlap_flag": (b"disable_overlap_scheduler: maybe\n", ["disable_overlap_scheduler", "true/false"]),
 }
 
 
