@@ -138,3 +138,14 @@ def test_a_failing_step_ends_its_requests_and_the_overlapped_ones(monkeypatch):
     while eng.has_unfinished_requests():
         eng.step()
     assert len(eng.requests[rid].output_ids) == 4
+
+
+def test_warmup_runs_an_overlapped_step(count_overlapped):
+    """Warmup's decode path takes an input from the device: the overlap scheduler is exercised before
+    serving (and it is off with MTP, whose warmup paths read every step's tokens at once)."""
+    llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096})
+    assert sum(count_overlapped) > 0 and llm.engine.overlaps_steps
+    count_overlapped.clear()
+    mtp = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1})
+    assert sum(count_overlapped) == 0 and not mtp.engine.overlaps_steps
