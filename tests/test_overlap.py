@@ -3,6 +3,7 @@ its twin, the same engine with ``disable_overlap_scheduler``: same tokens, same 
 checked after every step, through chunked prefill, waiting admission, stop tokens, sampling, preemption and
 aborts."""
 
+import collections
 import random
 
 import pytest
@@ -149,3 +150,55 @@ def test_warmup_runs_an_overlapped_step(count_overlapped):
     mtp = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1})
     assert sum(count_overlapped) == 0 and not mtp.engine.overlaps_steps
+
+
+def _random_workload(seed: int, overlap: bool) -> tuple[dict, collections.Counter]:
+    """One random mix (prompt lengths, output lengths, stop tokens, sampling, a cache small enough to preempt,
+    an abort at a random step, requests added while others run) stepped by hand. Returns each request's
+    (tokens, finish reason), the aborted one left out, and counts of what happened."""
+    rng = random.Random(seed)
+    n = 7
+    prompts = _prompts([rng.choice([1, 2, 5, 17, 40, 70]) for _ in range(n)], seed=seed)
+    params = []
+    for i in range(n):
+        kw = dict(max_tokens=rng.randrange(1, 14), ignore_eos=True)
+        if rng.random() < 0.3:
+            kw["stop_token_ids"] = [rng.randrange(2, 256) for _ in range(20)]  # likely to stop somewhere
+        if rng.random() < 0.3:
+            kw.update(temperature=0.9, top_k=rng.choice([0, 30]), seed=rng.randrange(100))
+        params.append(SamplingParams(**kw))
+    arrive = sorted(rng.randrange(0, 6) for _ in range(n))  # the step before which request i is added
+    abort = (rng.randrange(n), rng.randrange(1, 8))  # (request, step)
+    eng = _llm(overlap, kv_cache_config={"max_tokens": 128, "tokens_per_block": 16}, max_seq_len=100,
+               max_batch_size=3, max_num_tokens=32).engine
+    ids, done, seen, step = {}, {}, collections.Counter(), 0
+    while len(ids) < n or eng.has_unfinished_requests():
+        for i in range(n):
+            if i not in ids and arrive[i] <= step:
+                ids[i] = eng.add_request(prompts[i], params[i])
+        if step == abort[1] and abort[0] in ids:
+            req = eng.requests.get(ids[abort[0]])
+            seen["abort with a token on the device"] += req is not None and req.num_pending > 0
+            eng.abort_request(ids[abort[0]])
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                seen[o.outputs[0].finish_reason] += 1
+        step += 1
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and eng.cache.num_free_slots == eng.cache.num_slots
+    seen["preemptions"] += eng.get_stats()["num_preemptions"]
+    aborted = ids.get(abort[0])
+    return {i: done.get(ids[i]) for i in range(n) if ids[i] != aborted}, seen
+
+
+def test_random_workloads_equal_sync(monkeypatch):
+    """Twelve random mixes, overlap on and off: every request that was not aborted ends with the same tokens
+    and reason; the cache is checked after every step and is empty at the end. The mixes reach preemption
+    (a request preempted while its token is on the device included), stop tokens and aborts."""
+    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")
+    total = collections.Counter()
+    for seed in range(1, 13):
+        on, seen = _random_workload(seed, True)
+        assert on == _random_workload(seed, False)[0], seed
+        total += seen
+    assert total["preemptions"] > 0 and total["stop"] > 0 and total["abort with a token on the device"] > 0

@@ -104,6 +104,8 @@ class Scheduler:
             budget -= seq.num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
+            if req.awaiting_finish:  # preempted while its last tokens were on the device: it ends when they
+                break                # are read back (this step), and nothing overtakes it meanwhile
             if not self.cache.admit(req.request_id).ok:
                 break
             seq = self._plan_tokens(req, budget)
