@@ -74,8 +74,8 @@ class EngineConfig:
     cuda_graph_config: CudaGraphConfig | None = None
     moe_config: MoeConfig = field(default_factory=MoeConfig)
     enforce_eager: bool = False
-    # the overlap scheduler (on by default, as in TensorRT-LLM): a greedy step without MTP is launched before
-    # the previous step's tokens are read back, so the host's bookkeeping runs while the device computes
+    # the overlap scheduler (on by default, as in TensorRT-LLM): a step without MTP is launched before the
+    # previous step's tokens are read back, so the host's bookkeeping runs while the device computes
     disable_overlap_scheduler: bool = False
     attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA for decode/verify), "torch", "triton"
     enable_attention_dp: bool = False

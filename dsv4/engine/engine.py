@@ -16,9 +16,9 @@ import torch
 
 from ..cache.manager import SeqStep
 from ..config import ModelConfig
+from ..transfer import HostCopy
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request
-from ..transfer import HostCopy
 from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams

@@ -68,8 +68,8 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A step the overlap scheduler left running: its greedy tokens on the device, one per sampled request,
-    and on their way to the host. The next step reads its requests' pending inputs from ``tokens``."""
+    """A step the overlap scheduler left running: its tokens on the device, one per sampled request, and on
+    their way to the host. The next step reads its requests' pending inputs from ``tokens``."""
 
     seqs: list[ScheduledSeq]
     tokens: torch.Tensor  # [R] device, the sampled requests in step order
