@@ -199,3 +199,19 @@ def test_fused_projections_equal_the_modules():
     with torch.no_grad():
         assert torch.allclose(plain(ids), fused(ids), atol=1e-4, rtol=1e-4)
         assert torch.allclose(plain.mtp_logits(ids), fused.mtp_logits(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_linears_refuse_modules_with_their_own_forward():
+    """One F.linear replaces the modules' forwards, so a linear with a bias or a subclass with its own forward
+    (e.g. the row-parallel wo_b, which all-reduces) is refused rather than silently skipped."""
+    from torch import nn
+
+    from dsv4.model.fused import FusedLinears
+
+    class Reducing(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    for bad in (nn.Linear(4, 3, bias=True), Reducing(4, 3, bias=False)):
+        with pytest.raises(TypeError, match="plain bias-free nn.Linear"):
+            FusedLinears([("a", nn.Linear(4, 2, bias=False)), ("b", bad)])

@@ -106,7 +106,7 @@ class LLMEngine:
             device=self.device, **self.runner.padding_for(seqs))
         done: tuple[list, list] = ([], [])
         try:
-            target = self.runner.forward(seqs, plan, prev) if prev is not None else self.runner.forward(seqs, plan)
+            target = self.runner.forward(seqs, plan, prev)
             launched = self._launch(seqs, target) if self._overlaps(seqs) else None
             if prev is not None:
                 done, prev = self._resolve(prev), None
@@ -170,7 +170,7 @@ class LLMEngine:
         """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
         request's generator, as the synchronous step draws them) and queued for the host; each sampled
         request counts one pending token until ``_resolve`` reads it."""
-        rows = target.rows if target.rows is not None else torch.cat([b for b in target.logits if b is not None])
+        rows = target.all_rows()
         tokens = greedy_tokens(rows)
         row_of = {}
         for s in seqs:
@@ -193,7 +193,6 @@ class LLMEngine:
                 req.num_pending -= 1
                 if req.finish_reason is None:
                     new = req.append([toks[step.row_of[req.request_id]]])
-                    self.spec_stats.record(0, 0)
             emitted.append(new)
         return step.seqs, emitted
 
@@ -232,12 +231,11 @@ class LLMEngine:
     @staticmethod
     def _greedy_ids(logits: list[torch.Tensor | None], target: TargetOutput) -> list[list[int] | None]:
         """The argmax of every given [rows, V] block, in one device op and one host sync for the batch: over
-        all of the step's logit rows (``target.rows``, or their concatenation when a multi-rank lane split
-        left them apart); the rows of non-greedy seqs are computed and dropped."""
+        all of the step's logit rows (``TargetOutput.all_rows``); the rows of non-greedy seqs are computed and
+        dropped."""
         if all(lg is None for lg in logits):
             return [None] * len(logits)
-        rows = target.rows if target.rows is not None else torch.cat([b for b in target.logits if b is not None])
-        flat = greedy_tokens(rows).tolist()
+        flat = greedy_tokens(target.all_rows()).tolist()
         out, off = [], 0
         for lg, blk in zip(logits, target.logits):
             n = 0 if blk is None else blk.shape[0]

@@ -98,6 +98,11 @@ class TargetOutput:
     logits: list[torch.Tensor | None]  # per seq: [rows, V] at its sampled / verify rows, None if not sampled
     rows: torch.Tensor | None = None  # the same rows as one [R, V] tensor, seqs in order (None: not at hand)
 
+    def all_rows(self) -> torch.Tensor:
+        """Every sampled / verify row of the step as one [R, V] tensor, seqs in order (``rows``, or the
+        concatenation of the per-seq blocks when a multi-rank lane split left them apart)."""
+        return self.rows if self.rows is not None else torch.cat([b for b in self.logits if b is not None])
+
 
 class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)

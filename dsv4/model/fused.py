@@ -21,6 +21,10 @@ class FusedLinears:
     """Bias-free linears of one input: ``fused(x)`` -> {name: module(x)} in one GEMM."""
 
     def __init__(self, named: list[tuple[str, nn.Linear]]):
+        for name, m in named:  # one F.linear replaces their forwards: only plain bias-free linears qualify
+            if type(m) is not nn.Linear or m.bias is not None:
+                raise TypeError(f"FusedLinears: {name!r} is a {type(m).__name__} (bias: {m.bias is not None});"
+                                " only plain bias-free nn.Linear modules can share one GEMM")
         self.names = [name for name, _ in named]
         self.sizes = [m.weight.shape[0] for _, m in named]
         self.weight = torch.cat([m.weight.detach() for _, m in named])

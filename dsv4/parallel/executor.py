@@ -188,7 +188,10 @@ class DistributedRunner(LaneRunner):
         except BaseException as e:
             raise self.group.fail(e) from e
 
-    def forward(self, seqs: list[ScheduledSeq], plan) -> TargetOutput:
+    def forward(self, seqs: list[ScheduledSeq], plan, prev=None) -> TargetOutput:
+        if prev is not None:
+            raise RuntimeError("the multi-rank driver takes host token ids only: no step may overlap on it"
+                               " (supports_overlap is False)")
         return self._guard(self._forward, seqs, plan)
 
     def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> list[list[int]]:
