@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=_init_random)
 
     g = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
-    g.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    g.add_argument("--model", required=True, help="checkpoint directory, built-in model (mini) or preset name")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-ids", help="token ids, e.g. '1 2 3'")

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .builtin import resolve_model
 from .cache.layout import CacheLayout
 from .cache.manager import KVCacheManager
 from .cache.sizing import budget_from_fraction, size_cache
@@ -48,13 +49,15 @@ def _resolve_dtype(dtype, device: str) -> torch.dtype:
 
 class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype="auto", warmup: bool = True, **settings):
-        """``model``: a checkpoint directory or a preset name (``tiny``, ``tiny-r128``, ``flash-L4-E32``).
+        """``model``: a checkpoint directory, a built-in checkpoint (``mini``: trained, see ``dsv4.builtin``) or
+        a preset name with random weights (``tiny``, ``tiny-r128``, ``flash-L4-E32``).
         ``settings``: the EngineConfig fields (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config,
         speculative_config, cuda_graph_config, moe_config, enforce_eager, enable_attention_dp, ...).
 
         Several devices: ``tensor_parallel_size`` / ``moe_expert_parallel_size`` / ``enable_attention_dp``
         start max(tp, ep) ranks (see ``dsv4.parallel``); this process is rank 0, the driver. Call
         ``shutdown()`` (or use ``with LLM(...) as llm``) to stop the other ranks before building another."""
+        model = resolve_model(model)
         if isinstance(settings.get("kv_cache_config"), KvCacheConfig):
             settings["kv_cache_config"] = vars(settings["kv_cache_config"])
         cfg: EngineConfig = from_dict(EngineConfig, {"device": device, **settings})

@@ -120,13 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_path(args) -> str:
     path = args.model_path or args.model
     if not path:
-        raise UsageError("give --model (a preset name such as 'tiny', or a checkpoint) or --model_path")
-    return path
+        raise UsageError("give --model (a built-in model such as 'mini', a preset such as 'tiny', or a checkpoint)"
+                         " or --model_path")
+    from ..builtin import resolve_model
+
+    return resolve_model(path)
 
 
 def _model_kind(path: str) -> str:
     from ..config import is_preset
 
+    from ..builtin import BUILTIN_MODELS, builtin_path
+
+    if any(builtin_path(n) == path for n in BUILTIN_MODELS):
+        return "built-in checkpoint (trained)"
     if os.path.isdir(path):
         return "checkpoint directory"
     if is_preset(path):

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ..builtin import resolve_model
 from ..checkpoint.init_random import random_state_dict
 from ..checkpoint.io import read_state_dict
 from ..checkpoint.names import is_stacked_expert
@@ -23,14 +24,15 @@ def build_model(cfg: ModelConfig, state_dict: dict, has_mtp: bool, device="cpu")
 
 def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
                with_mtp: bool | None = None, seed: int = 0) -> DeepseekV4:
-    """A checkpoint directory (config.json + safetensors), or a preset name (``tiny``, ``flash-L4-E32``, ...)
+    """A checkpoint directory (config.json + safetensors), a built-in checkpoint (``mini``), or a preset name (``tiny``, ``flash-L4-E32``, ...)
     which gets deterministic random weights from ``seed`` (drawn on ``device``)."""
     cfg, sd, has_mtp = load_state(checkpoint_dir, device, dtype, with_mtp, seed)
     return build_model(cfg, sd, has_mtp, device)
 
 
 def model_config(checkpoint_dir: str) -> ModelConfig:
-    """The config of a checkpoint directory or preset, without reading any weights."""
+    """The config of a checkpoint directory, built-in checkpoint or preset, without reading any weights."""
+    checkpoint_dir = resolve_model(checkpoint_dir)
     if os.path.isdir(checkpoint_dir):
         return load_config(checkpoint_dir)
     if is_preset(checkpoint_dir):
@@ -43,7 +45,9 @@ def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
                experts: range | None = None) -> tuple[ModelConfig, dict, bool]:
     """(config, state dict, has_mtp) as ``load_model`` reads them. ``experts``: only these routed experts
     (stacked tensors [len(experts), ...]); an expert-parallel rank reads just its share of a checkpoint, and
-    slices the rest of its share from what it read (``dsv4.parallel.shard``)."""
+    slices the rest of its share from what it read (``dsv4.parallel.shard``). A built-in name (``mini``) reads
+    the checkpoint shipped in the package."""
+    checkpoint_dir = resolve_model(checkpoint_dir)
     if os.path.isdir(checkpoint_dir):
         cfg = load_config(checkpoint_dir)
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp,
