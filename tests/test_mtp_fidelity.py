@@ -174,14 +174,14 @@ def capture(engine, run: Run):
     engine.runner.propose = propose
 
 
-def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, patches=()) -> Run:
+def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, patches=(), **llm_kw) -> Run:
     """Generate greedily with MTP k (k = 0: off), chunked prefill, the cache's integrity check after every
-    step; record every proposal and verify."""
+    step; record every proposal and verify. ``llm_kw`` go to ``LLM`` (e.g. device="cuda")."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSV4_CHECK_CACHE", "1")
         for obj, name, value in patches:
             mp.setattr(obj, name, value)
-        llm = _llm(model, k)
+        llm = _llm(model, k, **llm_kw)
         eng = llm.engine
         run = Run([list(p) for p in prompts], [], [], model=llm.model)
         if k:

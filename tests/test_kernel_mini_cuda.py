@@ -1,0 +1,42 @@
+"""The trained ``mini`` on the GPU in fp32 with CUDA graphs: every draft equals the dense reference's (computed
+on the CPU), accepted counts equal the dense greedy prefix, and greedy output with MTP k = 1, 2, 3 equals MTP
+off and the dense model's. The kernel path's twin of tests/test_mtp_fidelity.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4.model.loader import load_model
+
+from .test_mtp_fidelity import (PROMPT_LENGTHS, check_drafts, dense_accepted, dense_greedy_check, failures,
+                                heldout_prompt_ids, run_engine)
+
+pytestmark = pytest.mark.cuda
+CUDA = dict(device="cuda", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4, 8]})
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return heldout_prompt_ids("mini", PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    run = run_engine("mini", prompts, 0, **CUDA)
+    run.model = load_model("mini")  # the dense reference on the CPU, fp32
+    dense_greedy_check(run, extra=1)
+    return run
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mini_drafts_and_acceptance_on_cuda_equal_the_dense_reference(prompts, reference, k):
+    run = run_engine("mini", prompts, k, **CUDA)
+    assert run.outputs == reference.outputs
+    run.model = reference.model
+    c = check_drafts(run)
+    assert c.checked > 0 and not failures(c), failures(c)
+    seqs = dense_greedy_check(run, extra=k)
+    wrong = [(v.rid, v.num_computed, v.accepted) for v in run.verifies if v.accepted != dense_accepted(seqs[v.rid], v)]
+    assert not wrong, wrong[:8]
+    st = run.stats
+    assert st["acceptance_rate"] > 0.3 and st["num_accepted_tokens"] == sum(v.accepted for v in run.verifies)
