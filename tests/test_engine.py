@@ -8,6 +8,7 @@ from dsv4.checkpoint.init_random import random_state_dict
 from dsv4.checkpoint.io import write_checkpoint
 from dsv4.config import get_preset
 
+from .drafters import oracle
 from .hf_oracle import hf_greedy, hf_model
 
 MTP = lambda k: {"decoding_type": "MTP", "num_nextn_predict_layers": k}  # noqa: E731
@@ -61,23 +62,6 @@ def test_greedy_equals_transformers_generate(which, request):
     assert ours == hf_greedy(hf_model(cfg, sd), prompts, 8)
 
 
-def _oracle(reference: dict[str, list[int]], p_right: float, seed: int):
-    """A test-only drafter: for each draft position, the target's known greedy answer with probability
-    p_right, else a wrong token. So both the accept and the reject branches run on random weights."""
-    rng = random.Random(seed)
-
-    def override(req, drafts):
-        answer = reference[tuple(req.prompt_ids)]
-        done = len(req.output_ids)
-        out = []
-        for j, d in enumerate(drafts):
-            truth = answer[done + j] if done + j < len(answer) else d
-            out.append(truth if rng.random() < p_right else (truth + 1) % 256)
-        return out
-
-    return override
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_greedy_is_token_identical(tiny_dir, k):
     prompts = _prompts(6, [3, 17, 40, 1, 90, 130], seed=k)
@@ -85,7 +69,7 @@ def test_mtp_greedy_is_token_identical(tiny_dir, k):
     base = _llm(tiny_dir, warmup=False).generate(prompts, sp)
     ref = [o.outputs[0].token_ids for o in base]
     llm = _llm(tiny_dir, speculative_config=MTP(k))
-    llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, 0.6, seed=k)
+    llm.engine.draft_override = oracle({tuple(p): r for p, r in zip(prompts, ref)}, 0.6, seed=k)
     out = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in out] == ref
     st = llm.get_stats()["speculative"]

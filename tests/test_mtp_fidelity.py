@@ -36,6 +36,8 @@ from dsv4 import LLM, SamplingParams
 from dsv4.cache.plan import DraftTables
 from dsv4.model.dense import DenseBackend
 
+from .drafters import oracle
+
 MODEL = "mini"  # the trained built-in model; any preset name or checkpoint directory works too
 # token-id prompts, or None: random prompts sized from the model config (for a preset such as "tiny")
 PROMPT_LENGTHS = (40, 140, 300, 470)  # held-out prompts of about these lengths: under and past the window (128),
@@ -315,22 +317,6 @@ def dense_accepted(seq: list[int], v: Verify) -> int:
 
 
 # ---- runs shared by the tests ----------------------------------------------------------------------------
-def oracle(reference: dict[tuple, list[int]], p_right: float, seed: int, vocab: int):
-    """A test-only drafter: the known greedy answer with probability p_right, else a wrong token."""
-    rng = random.Random(seed)
-
-    def override(req, drafts):
-        answer = reference[tuple(req.prompt_ids)]
-        done = len(req.output_ids)
-        out = []
-        for j, d in enumerate(drafts):
-            truth = answer[done + j] if done + j < len(answer) else d
-            out.append(truth if rng.random() < p_right else (truth + 1) % vocab)
-        return out
-
-    return override
-
-
 @pytest.fixture(scope="module")
 def reference(model_name, prompts) -> Run:
     """MTP off."""
