@@ -4,6 +4,7 @@ part left to the GPU tests): padded batches through static tables give the same 
 import random
 
 import pytest
+import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine import cuda_backend
@@ -60,3 +61,34 @@ def test_default_buckets():
     assert default_buckets(1) == [1]
     assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_mtp_graphs_refuse_another_steps_tables_or_a_call_out_of_order(kernel_path_on_cpu):
+    """The MTP graphs read what the same step's target graph left in the bucket: called for another step's plan,
+    or before the graph they follow, they refuse instead of writing that step's MTP rows elsewhere."""
+    from dsv4.engine.graphs import GraphOrderError
+
+    llm = LLM("tiny", max_batch_size=4, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              warmup=False, cuda_graph_config={"enable_padding": True, "batch_sizes": [2, 4]},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 3})
+    g = llm.engine.runner.graphs
+    plans, target = [], g.target
+    g.target = lambda plan, ids: (plans.append(plan), target(plan, ids))[1]
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=10, ignore_eos=True))
+    old, last = plans[0], plans[-1]
+    assert old is not last and old.shape.batch == last.shape.batch  # two steps on one bucket
+    B, N = last.shape.batch, last.shape.tokens
+    ids, one = torch.zeros(N, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    X = torch.zeros(B, llm.model_config.hc_mult, llm.model_config.hidden_size)
+    with pytest.raises(GraphOrderError, match="another step"):
+        g.mtp(old, ids)  # the bucket holds the last step's tables
+    target(old, ids)  # a new step on the bucket: target first ...
+    with pytest.raises(GraphOrderError, match="runs after mtp"):
+        g.draft(old, 2, one, one, X)  # ... then mtp, not draft 2
+    g.mtp(old, ids)
+    with pytest.raises(GraphOrderError, match="runs after draft2"):
+        g.draft(old, 3, one, one)
+    g.draft(old, 2, one, one, X)
+    g.draft(old, 3, one, one)
+    with pytest.raises(GraphOrderError, match="runs after draft2"):
+        g.draft(old, 3, one, one)  # not twice

@@ -12,6 +12,11 @@ they write the null rows and read nothing valid. The captured forward must not s
 
 With ``capture=False`` (CPU, or tests) the same static buffers run eagerly: bucketing, padding, the
 static copy and the expansion are exercised without a GPU.
+
+The MTP graphs read what the same step's target graph left in the bucket (its tables, its streams), so a
+bucket remembers which plan it holds and which of that step's graphs have run: ``mtp(plan)`` and
+``draft(plan, j)`` refuse a plan the bucket does not hold, or a call out of order (target, mtp, draft 2, 3,
+...), instead of writing another step's MTP rows (``GraphOrderError``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ import torch
 
 from ..cache.plan import DraftTables, PlanShape, expand_rows, padded_shape
 from .cuda_backend import CudaBackend
+
+
+class GraphOrderError(RuntimeError):
+    """An MTP graph was asked to replay for a step whose earlier graphs did not run on its bucket."""
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -47,6 +56,8 @@ class _Bucket:
     tables: object = None  # PlanTables expanded by the target graph (read by the MTP graphs)
     draft_in: torch.Tensor | None = None  # [B, n, d] streams feeding draft step 2
     graphs: dict = field(default_factory=dict)
+    plan: object = None  # the step whose tables and outputs the bucket holds (set by target)
+    ran: list = field(default_factory=list)  # the graphs that step has run, in order
 
 
 class GraphRunner:
@@ -161,10 +172,24 @@ class GraphRunner:
             setattr(bk, slot, value)
 
     # ---- replay ------------------------------------------------------------------------------------------
+    def _after(self, plan, name: str, previous: str):
+        """The bucket of ``plan`` for graph ``name``, which must follow ``previous`` of the same step."""
+        bk = self._b.get(plan.shape.batch)
+        if bk is None:
+            raise GraphOrderError(f"{name}: no graph bucket of batch {plan.shape.batch}")
+        if bk.plan is not plan:
+            raise GraphOrderError(f"{name}: bucket {bk.batch} holds the tables of another step; replay target(plan)"
+                                  f" of this step first")
+        if not bk.ran or bk.ran[-1] != previous:
+            raise GraphOrderError(f"{name}: this step's graphs so far are {bk.ran}; {name} runs after {previous}")
+        bk.ran.append(name)
+        return bk
+
     @torch.no_grad()
     def target(self, plan, ids: torch.Tensor):
         """-> (streams [N, n, d], logits [N, V]) of every row of the padded step."""
         bk = self._b[plan.shape.batch]
+        bk.plan, bk.ran = plan, ["target"]
         bk.rows.copy_(plan.rows)
         bk.ids.copy_(ids)
         self.num_replays += 1
@@ -176,7 +201,7 @@ class GraphRunner:
     @torch.no_grad()
     def mtp(self, plan, next_ids: torch.Tensor):
         """The MTP catch-up pass of the same step (tables already loaded by ``target``)."""
-        bk = self._b[plan.shape.batch]
+        bk = self._after(plan, "mtp", "target")
         bk.next_ids.copy_(next_ids)
         out = self._run(bk, "mtp", lambda: self._mtp(bk))
         if out is not None:
@@ -186,7 +211,7 @@ class GraphRunner:
     @torch.no_grad()
     def draft(self, plan, j: int, new_lens: torch.Tensor, ids: torch.Tensor, X_in: torch.Tensor | None = None):
         """Draft step j of the same step: (streams [B, n, d], logits [B, V]). X_in feeds step 2."""
-        bk = self._b[plan.shape.batch]
+        bk = self._after(plan, f"draft{j}", "mtp" if j == 2 else f"draft{j - 1}")
         if j == 2:
             bk.new_lens.copy_(new_lens)
             bk.draft_in.copy_(X_in)
