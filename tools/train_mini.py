@@ -36,7 +36,6 @@ training hooks in ``TrainBackend``; the Triton kernels, which have no backward, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math

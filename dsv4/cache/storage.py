@@ -18,14 +18,11 @@ read; index keys and compressor states stay in the model dtype / fp32. Use the r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.cache import ops
 from dsv4.cache.layout import CacheConfigError, CacheLayout
+from dsv4.kernels.fp8 import FP8, dequantize_fp8, num_scale_blocks, quantize_fp8
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-FP8_BLOCK = 64
 KV_DTYPES = ("auto", "bf16", "fp32", "fp8")
 
 
@@ -37,32 +34,11 @@ def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return table[kv_dtype]
 
 
-def _num_scale_blocks(width: int) -> int:
-    return -(-width // FP8_BLOCK)
-
-
 def kv_row_bytes(width: int, dtype: torch.dtype, kv_dtype: str) -> int:
     kdt = resolve_kv_dtype(kv_dtype, dtype)
     if kdt == FP8:
-        return width + 4 * _num_scale_blocks(width)
+        return width + 4 * num_scale_blocks(width)
     return width * kdt.itemsize
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, D] -> (fp8 values [N, D], float32 scale [N, ceil(D/64)]), amax-scaled per 64-value block."""
-    N, D = x.shape
-    nb = _num_scale_blocks(D)
-    xp = F.pad(x.float(), (0, nb * FP8_BLOCK - D)).view(N, nb, FP8_BLOCK)
-    scale = xp.abs().amax(-1) / FP8_MAX                                          # [N, nb]
-    q = (xp / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(FP8).view(N, nb * FP8_BLOCK)[:, :D].contiguous(), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    N, D = q.shape
-    nb = scale.shape[-1]
-    x = F.pad(q.float(), (0, nb * FP8_BLOCK - D)).view(N, nb, FP8_BLOCK) * scale[..., None]
-    return x.view(N, nb * FP8_BLOCK)[:, :D].to(dtype)
 
 
 class _LayoutMethod:
@@ -118,7 +94,7 @@ class CacheStorage:
             return torch.zeros(rows, width, dtype=dt, device=self.device)
 
         def scales(rows):
-            return zeros(rows, _num_scale_blocks(D), torch.float32) if self.fp8 else None
+            return zeros(rows, num_scale_blocks(D), torch.float32) if self.fp8 else None
 
         self.swa = [zeros(slots * S, D, kdt) for _ in range(layout.num_swa_layers)]
         self.swa_scale = [scales(slots * S) for _ in range(layout.num_swa_layers)]

@@ -19,8 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from ..model.ops import index_scores
 from . import HAVE_TRITON
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_heads: int,
+                 head_dim: int) -> torch.Tensor:
+    """Lightning-indexer scores I(t, s) = sum_h w_h(t) * nI^-1/2 * ReLU(q_h(t) . k_s) * dI^-1/2.
+
+    q: [G, Tq, nI, dI]; weights: [G, Tq, nI]; keys: [G, E, dI]. Returns [G, Tq, E] fp32.
+    """
+    dots = torch.einsum("gthd,ged->gthe", q.float(), keys.float())
+    w = weights.float() * n_heads ** -0.5
+    return (torch.relu(dots) * head_dim ** -0.5 * w.unsqueeze(-1)).sum(dim=2)
 
 
 def index_scores_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,

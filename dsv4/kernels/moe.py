@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model.ops import swiglu_to
 from . import HAVE_TRITON
+from .swiglu import swiglu_to
 
 BLOCK_M = 16
 # tile choices measured by bench/grouped_gemm_configs.py on the H200 at batch 1 and 32 (BENCHMARKS.md): the

@@ -37,9 +37,28 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.storage import FP8_BLOCK, dequantize_fp8
-from ..model.ops import sink_attention
 from . import HAVE_TRITON
+from .fp8 import FP8_BLOCK, dequantize_fp8
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Attention over one shared K=V head with a per-head sink logit in the softmax denominator.
+
+    q: [G, Tq, H, D]; kv: [G, K, D] (keys and values are the same vectors); mask: [G, Tq, K] bool
+    (True = visible); sink: [H]. Returns [G, Tq, H, D]. A query with no visible key returns zeros
+    (all weight goes to the sink).
+    """
+    G, Tq, H, D = q.shape
+    kvf = torch.where(mask.any(1).unsqueeze(-1), kv, torch.zeros_like(kv)).float()  # keep unread rows finite
+    scores = torch.einsum("gthd,gkd->gthk", q.float(), kvf) * scale  # [G, Tq, H, K]
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    sink_logit = sink.float().view(1, 1, H, 1).expand(G, Tq, H, 1)
+    logits = torch.cat((scores, sink_logit), dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]  # drop the sink column: it has no value
+    out = torch.einsum("gthk,gkd->gthd", probs, kvf)
+    return out.to(q.dtype)
+
 
 BLOCK_H = 16   # heads per program (the dots' M)
 MERGE_C = 16   # chunks merged per step of the merge kernel

@@ -1,10 +1,11 @@
 """SwiGLU in one kernel: silu(min(gate, L)) * clamp(up, -L, L), times an optional per-row weight, rounded once
-to the output dtype (in torch: two conversions, two clamps, silu, two products and a conversion). The
-plain-torch twin is the CPU branch of ``dsv4.model.ops.swiglu_to``."""
+to the output dtype (in torch: two conversions, two clamps, silu, two products and a conversion). ``swiglu_to``
+runs it on CUDA; its other branch is the plain-torch twin."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import HAVE_TRITON
 
@@ -31,8 +32,8 @@ if HAVE_TRITON:
         tl.store(OUT + r * cols + c, h.to(OUT.dtype.element_ty), mask=m)
 
 
-def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: torch.Tensor | None,
-              dtype: torch.dtype) -> torch.Tensor:
+def _swiglu_to_kernel(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
     """gate, up: [R, I] (unit stride along I); row_weight: [R] fp32 or None -> [R, I] in ``dtype``."""
     R, cols = gate.shape
     out = torch.empty(R, cols, dtype=dtype, device=gate.device)
@@ -42,3 +43,24 @@ def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: to
                                                        float(limit), HAS_W=row_weight is not None,
                                                        CLAMP=limit > 0, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L) in fp32 (limit <= 0 disables the clamp)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``swiglu`` times an optional per-row weight [R], rounded once to ``dtype``: [R, I]. On CUDA one Triton
+    kernel does it (``_swiglu_to_kernel``); the lines below are its twin."""
+    if gate.is_cuda and HAVE_TRITON and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        return _swiglu_to_kernel(gate, up, limit, row_weight, dtype)
+    h = swiglu(gate, up, limit)
+    if row_weight is not None:
+        h = h * row_weight.float()[:, None]
+    return h.to(dtype)

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from ..kernels import norm as norm_kernel
 from ..kernels import rope as rope_kernel
-from ..kernels import swiglu as swiglu_kernel
+from ..kernels.indexer import index_scores  # noqa: F401  (the twins live beside their kernels)
+from ..kernels.sparse_attention import sink_attention  # noqa: F401
+from ..kernels.swiglu import swiglu, swiglu_to  # noqa: F401
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -64,25 +66,6 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """Attention over one shared K=V head with a per-head sink logit in the softmax denominator.
-
-    q: [G, Tq, H, D]; kv: [G, K, D] (keys and values are the same vectors); mask: [G, Tq, K] bool
-    (True = visible); sink: [H]. Returns [G, Tq, H, D]. A query with no visible key returns zeros
-    (all weight goes to the sink).
-    """
-    G, Tq, H, D = q.shape
-    kvf = torch.where(mask.any(1).unsqueeze(-1), kv, torch.zeros_like(kv)).float()  # keep unread rows finite
-    scores = torch.einsum("gthd,gkd->gthk", q.float(), kvf) * scale  # [G, Tq, H, K]
-    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    sink_logit = sink.float().view(1, 1, H, 1).expand(G, Tq, H, 1)
-    logits = torch.cat((scores, sink_logit), dim=-1)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]  # drop the sink column: it has no value
-    out = torch.einsum("gthk,gkd->gthd", probs, kvf)
-    return out.to(q.dtype)
-
-
 def pool_windows(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Gated pooling of compressor windows: per channel, softmax over the slots of a window.
 
@@ -99,17 +82,6 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor | No
     return pooled
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_heads: int,
-                 head_dim: int) -> torch.Tensor:
-    """Lightning-indexer scores I(t, s) = sum_h w_h(t) * nI^-1/2 * ReLU(q_h(t) . k_s) * dI^-1/2.
-
-    q: [G, Tq, nI, dI]; weights: [G, Tq, nI]; keys: [G, E, dI]. Returns [G, Tq, E] fp32.
-    """
-    dots = torch.einsum("gthd,ged->gthe", q.float(), keys.float())
-    w = weights.float() * n_heads ** -0.5
-    return (torch.relu(dots) * head_dim ** -0.5 * w.unsqueeze(-1)).sum(dim=2)
-
-
 def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """Select the top-k visible entries per query: [G, Tq, E] scores + visibility -> selection mask."""
     E = scores.shape[-1]
@@ -120,24 +92,3 @@ def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tens
     idx = masked.topk(k, dim=-1).indices
     sel = torch.zeros_like(visible).scatter_(-1, idx, True)
     return sel & visible  # surplus picks of queries with fewer than k visible entries are dropped
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, L)) * clamp(up, -L, L) in fp32 (limit <= 0 disables the clamp)."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
-
-
-def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: torch.Tensor | None,
-              dtype: torch.dtype) -> torch.Tensor:
-    """``swiglu`` times an optional per-row weight [R], rounded once to ``dtype``: [R, I]. On CUDA one Triton
-    kernel does it (``dsv4.kernels.swiglu``); the lines below are its twin."""
-    if gate.is_cuda and swiglu_kernel.HAVE_TRITON and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
-        return swiglu_kernel.swiglu_to(gate, up, limit, row_weight, dtype)
-    h = swiglu(gate, up, limit)
-    if row_weight is not None:
-        h = h * row_weight.float()[:, None]
-    return h.to(dtype)

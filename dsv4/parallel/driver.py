@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -106,10 +108,28 @@ def serve(group: RankGroup) -> None:
     follow(group, runner, layout, setup.num_slots, setup.mapping.attention_dp, on_message)
 
 
+def run_worker(join) -> None:
+    """Join (``join()`` -> RankGroup), serve, exit the process: 0 after stop, 1 after a failure."""
+    group = None
+    try:
+        group = join()
+        serve(group)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the driver
+        if group is not None and getattr(group, "_store", None) is not None:
+            try:
+                group.report(e)
+            except Exception:
+                pass
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def serve_torchrun(device: str, mapping: ParallelMapping) -> None:
     """A rank >= 1 under torchrun: serve the driver (rank 0), then end this process."""
-    from .worker import run_worker
-
     run_worker(lambda: RankGroup.from_torchrun(mapping.world_size, device))
 
 

@@ -10,31 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
-
-
-def run_worker(join) -> None:
-    """Join (``join()`` -> RankGroup), serve, exit the process: 0 after stop, 1 after a failure."""
-    from .driver import serve
-
-    group = None
-    try:
-        group = join()
-        serve(group)
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the driver
-        if group is not None and getattr(group, "_store", None) is not None:
-            try:
-                group.report(e)
-            except Exception:
-                pass
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main(argv=None) -> None:
@@ -48,6 +23,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "WARNING"))
     host, port = a.store.rsplit(":", 1)
     from .comm import RankGroup
+    from .driver import run_worker
 
     run_worker(lambda: RankGroup.join_as_worker(a.rank, a.world_size, (host, int(port)), a.device, a.parent))
 

@@ -1,0 +1,32 @@
+"""FP8 (e4m3) rows with one float32 scale per 64 values: the KV cache's FP8 format. Plain torch; the attention
+kernels decode the same format in place (``sparse_attention``), and these functions are their twin."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 64
+
+
+def num_scale_blocks(width: int) -> int:
+    return -(-width // FP8_BLOCK)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] -> (fp8 values [N, D], float32 scale [N, ceil(D/64)]), amax-scaled per 64-value block."""
+    N, D = x.shape
+    nb = num_scale_blocks(D)
+    xp = F.pad(x.float(), (0, nb * FP8_BLOCK - D)).view(N, nb, FP8_BLOCK)
+    scale = xp.abs().amax(-1) / FP8_MAX                                          # [N, nb]
+    q = (xp / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(FP8).view(N, nb * FP8_BLOCK)[:, :D].contiguous(), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    N, D = q.shape
+    nb = scale.shape[-1]
+    x = F.pad(q.float(), (0, nb * FP8_BLOCK - D)).view(N, nb, FP8_BLOCK) * scale[..., None]
+    return x.view(N, nb * FP8_BLOCK)[:, :D].to(dtype)

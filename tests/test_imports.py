@@ -1,0 +1,116 @@
+"""The package's import graph, read from the source (every import statement, those inside functions too):
+no module imports itself back through others, the packages form a DAG, ``kernels`` is a leaf (torch and Triton
+only), and the model, the cache and the kernels never reach up into the engine, the ranks or the benchmark."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import dsv4
+
+ROOT = os.path.dirname(os.path.abspath(dsv4.__file__))
+LOWER = ("kernels", "cache", "model")  # the layers the engine is built from
+UPPER = ("engine", "parallel", "bench", "llm", "cli")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = "dsv4." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: str) -> set[str]:
+    """The dsv4 modules ``name`` imports (a ``from pkg import mod`` names the module, else the package)."""
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m == "dsv4" or m.startswith("dsv4.")}
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _unit(module: str) -> str:
+    """The top-level package or module of dsv4 a module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dsv4"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next((w for w in it if w in graph), None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert "dsv4.cache.storage" in GRAPH["dsv4.engine.backend"]  # relative imports resolve
+
+
+def test_no_module_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def test_packages_form_a_dag():
+    units: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        if _unit(m) != "dsv4":  # dsv4/__init__ re-exports the API
+            units.setdefault(_unit(m), set()).update(_unit(d) for d in deps if _unit(d) != _unit(m))
+    assert _cycles(units) == [], units
+
+
+def test_kernels_are_a_leaf_and_lower_layers_do_not_reach_up():
+    bad = [(m, d) for m, deps in GRAPH.items() if _unit(m) == "kernels" for d in deps if _unit(d) != "kernels"]
+    assert bad == [], f"kernels import other dsv4 packages: {bad}"
+    bad = [(m, d) for m, deps in GRAPH.items() if _unit(m) in LOWER for d in deps if _unit(d) in UPPER]
+    assert bad == [], f"{LOWER} import {UPPER}: {bad}"
