@@ -24,11 +24,20 @@ def fixtures_dir():
     return FIXTURES
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """One torch thread for a module: on the shared 2-core machines (and with several ranks on them),
+    """One torch thread for every test: on the shared 2-core machines (and with several ranks on them),
     spinning OpenMP threads make thousands of tiny CPU ops crawl."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True)
+def check_cache(monkeypatch):
+    """The cache's integrity check after every engine step, in every test (worker ranks inherit it); a test of
+    the switch itself sets it as it needs."""
+    from dsv4.cache import CHECK_ENV
+
+    monkeypatch.setenv(CHECK_ENV, "1")

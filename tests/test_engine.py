@@ -110,8 +110,7 @@ def test_chunked_prefill_equals_one_shot(tiny_dir):
 
 
 @pytest.mark.parametrize("mtp", [None, MTP(1)])
-def test_warmup_with_the_seeds_settings(tiny_dir, mtp, monkeypatch):
-    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")
+def test_warmup_with_the_seeds_settings(tiny_dir, mtp):
     llm = LLM(tiny_dir, max_batch_size=4, max_num_tokens=256, max_seq_len=512,
               kv_cache_config={"tokens_per_block": 128, "dtype": "fp8", "free_gpu_memory_fraction": 0.9},
               cuda_graph_config={"enable_padding": True}, moe_config={"backend": "TRTLLM"},
@@ -119,8 +118,12 @@ def test_warmup_with_the_seeds_settings(tiny_dir, mtp, monkeypatch):
     assert len(llm.warmup_paths) == (3 if mtp else 2)
     cache = llm.engine.cache
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
-    assert len(out[0].outputs[0].token_ids) == 4
+    prompts = _prompts(3, [3, 40, 130], seed=5)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    cold = LLM(tiny_dir, max_batch_size=4, max_num_tokens=256, max_seq_len=512, warmup=False,
+               kv_cache_config={"tokens_per_block": 128, "dtype": "fp8"}, speculative_config=mtp)
+    assert out == [o.outputs[0].token_ids for o in cold.generate(prompts, sp)]  # warmup left nothing behind
 
 
 def test_warmup_names_an_unprepared_table(tiny_dir, monkeypatch):
@@ -160,8 +163,10 @@ def test_mtp_on_a_checkpoint_without_mtp_is_refused(tmp_path):
 
 def test_streaming_yields_growing_outputs(tiny_dir):
     llm = _llm(tiny_dir, warmup=False)
-    seen = [o.outputs[0].token_ids for o in llm.generate_stream([[4, 5, 6]], SamplingParams(max_tokens=5))]
-    assert [len(s) for s in seen] == [1, 2, 3, 4, 5]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    seen = [list(o.outputs[0].token_ids) for o in llm.generate_stream([[4, 5, 6]], sp)]
+    final = llm.generate([[4, 5, 6]], sp)[0].outputs[0].token_ids
+    assert seen == [final[:i] for i in range(1, 6)]  # each yield extends the last by the next token
     assert not llm.engine.requests  # finished requests do not pile up in a long-running stream
 
 
@@ -175,7 +180,9 @@ def test_abort_frees_everything_and_others_finish(tiny_dir):
     eng.abort_request(a)
     while eng.has_unfinished_requests():
         eng.step()
-    assert len(eng.requests[b].output_ids) == 10
+    solo = _llm(tiny_dir, warmup=False, speculative_config=MTP(2)).generate([[9, 8] * 10],
+                                                                             SamplingParams(max_tokens=10, ignore_eos=True))
+    assert eng.requests[b].output_ids == solo[0].outputs[0].token_ids  # the abort did not touch b's tokens
     assert eng.cache.num_free_blocks == eng.cache.num_blocks and eng.cache.num_free_slots == eng.cache.num_slots
     eng.cache.check_integrity()
 

@@ -15,7 +15,6 @@ from dsv4.checkpoint.tokenizer import load_tokenizer
 from dsv4.config import CSA, HCA, SWA
 from dsv4.model.loader import load_model, model_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 MINI = builtin_path("mini")
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",

@@ -57,11 +57,6 @@ LOGIT_RTOL = 1e-3
 MTP = lambda k: {"decoding_type": "MTP", "num_nextn_predict_layers": k}  # noqa: E731
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 @pytest.fixture(scope="module")
 def model_name():
     return MODEL
@@ -180,7 +175,6 @@ def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, p
     """Generate greedily with MTP k (k = 0: off), chunked prefill, the cache's integrity check after every
     step; record every proposal and verify. ``llm_kw`` go to ``LLM`` (e.g. device="cuda")."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSV4_CHECK_CACHE", "1")
         for obj, name, value in patches:
             mp.setattr(obj, name, value)
         llm = _llm(model, k, **llm_kw)

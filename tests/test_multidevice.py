@@ -45,7 +45,6 @@ LENS = [3, 17, 70, 130, 9, 40]  # 70 and 130 prefill in several 48-token chunks
 SP8 = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +96,7 @@ def single(ckpt, prompts):
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["mtp-off", "mtp2"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_matrix_token_identical(ckpt, prompts, single, mode, mtp, monkeypatch):
-    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")
+def test_matrix_token_identical(ckpt, prompts, single, mode, mtp):
     ref, ref_proposals = single
     llm = LLM(ckpt, speculative_config=MTP2 if mtp else None, **KW, **MODES[mode])
     try:

@@ -45,8 +45,7 @@ def _run(llm, prompts, params):
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
 
 
-def test_overlap_equals_sync(monkeypatch, count_overlapped):
-    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")  # the cache's integrity check after every step
+def test_overlap_equals_sync(count_overlapped):
     prompts = _prompts([1, 9, 40, 130, 3, 77, 20])
     lengths = [12, 5, 17, 9, 1, 14, 11]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
@@ -191,11 +190,10 @@ def _random_workload(seed: int, overlap: bool) -> tuple[dict, collections.Counte
     return {i: done.get(ids[i]) for i in range(n) if ids[i] != aborted}, seen
 
 
-def test_random_workloads_equal_sync(monkeypatch):
+def test_random_workloads_equal_sync():
     """Twelve random mixes, overlap on and off: every request that was not aborted ends with the same tokens
     and reason; the cache is checked after every step and is empty at the end. The mixes reach preemption
     (a request preempted while its token is on the device included), stop tokens and aborts."""
-    monkeypatch.setenv("DSV4_CHECK_CACHE", "1")
     total = collections.Counter()
     for seed in range(1, 13):
         on, seen = _random_workload(seed, True)
