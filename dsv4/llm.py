@@ -13,42 +13,26 @@ import os
 import weakref
 from typing import Iterator, Sequence
 
-import torch
-
 from .builtin import resolve_model
-from .cache.layout import CacheLayout
 from .cache.manager import KVCacheManager
-from .cache.sizing import budget_from_fraction, size_cache
 from .cache.storage import CacheStorage
-from .engine.config import CudaGraphConfig, EngineConfig, EngineConfigError, KvCacheConfig, from_dict
+from .checkpoint.tokenizer import load_tokenizer
+from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
 from .engine.engine import LLMEngine, RequestError
-from .engine.graphs import build_graphs, default_buckets
+from .engine.graphs import build_graphs
 from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.resolved import dtype_name, resolve, resolve_dtype
 from .engine.sampling_params import SamplingParams
 from .engine.warmup import run_warmup
-from .checkpoint.tokenizer import load_tokenizer
 from .model.loader import load_model, model_config
 from .parallel.mapping import ParallelMapping
 
 log = logging.getLogger("dsv4")
 
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
-
-
-def _resolve_dtype(dtype, device: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in _DTYPES:
-        raise EngineConfigError(f"dtype {dtype!r}: use auto, fp32, bf16 (or fp16, fp64)")
-    return _DTYPES[dtype]
-
-
 class LLM:
-    def __init__(self, model: str, *, device: str = "cpu", dtype="auto", warmup: bool = True, **settings):
+    def __init__(self, model: str, *, device: str = "cpu", dtype="auto", warmup: bool = True,
+                 config: EngineConfig | None = None, **settings):
         """``model``: a checkpoint directory, a built-in checkpoint (``mini``: trained, see ``dsv4.builtin``) or
         a preset name with random weights (``tiny``, ``tiny-r128``, ``flash-L4-E32``).
         ``settings``: the EngineConfig fields (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config,
@@ -56,11 +40,21 @@ class LLM:
 
         Several devices: ``tensor_parallel_size`` / ``moe_expert_parallel_size`` / ``enable_attention_dp``
         start max(tp, ep) ranks (see ``dsv4.parallel``); this process is rank 0, the driver. Call
-        ``shutdown()`` (or use ``with LLM(...) as llm``) to stop the other ranks before building another."""
+        ``shutdown()`` (or use ``with LLM(...) as llm``) to stop the other ranks before building another.
+
+        ``config``: an ``EngineConfig`` already validated (device and dtype included) instead of keywords.
+        Everything the settings leave open is decided once, after the weights are loaded: ``self.resolved``
+        (``dsv4.engine.resolved.ResolvedConfig``), which every rank receives whole."""
         model = resolve_model(model)
-        if isinstance(settings.get("kv_cache_config"), KvCacheConfig):
-            settings["kv_cache_config"] = vars(settings["kv_cache_config"])
-        cfg: EngineConfig = from_dict(EngineConfig, {"device": device, **settings})
+        if config is not None:
+            if settings or (device, dtype) != ("cpu", "auto"):
+                raise EngineConfigError("LLM: give the settings either as config= or as keywords, not both")
+            cfg = config
+        else:
+            if isinstance(settings.get("kv_cache_config"), KvCacheConfig):
+                settings["kv_cache_config"] = vars(settings["kv_cache_config"])
+            cfg = from_dict(EngineConfig, {"device": device, "dtype": dtype_name(dtype), **settings})
+        device = cfg.device
         self._group = None
         self.mapping = ParallelMapping.from_engine_config(cfg)  # refuses what cannot run (pp > 1, ...)
         self.mapping.check_devices(device)
@@ -72,7 +66,7 @@ class LLM:
                 serve_torchrun(device, self.mapping)  # ranks >= 1 under torchrun serve rank 0, then exit
         self.config = cfg
         self.notes = self._mapping_notes(cfg, device)
-        torch_dtype = _resolve_dtype(dtype, device)
+        torch_dtype = resolve_dtype(cfg.dtype, device)
         with_mtp = True if cfg.speculative_config else None
         try:
             self._build(model, cfg, device, torch_dtype, with_mtp, warmup)
@@ -97,68 +91,24 @@ class LLM:
             raise
         mcfg = self.model.cfg
         self.model_config = mcfg
-        max_seq_len = cfg.max_seq_len or min(mcfg.max_position_embeddings, 8192)
-        if max_seq_len > mcfg.max_position_embeddings:
-            raise EngineConfigError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings"
-                                    f" {mcfg.max_position_embeddings}")
-        if cfg.max_num_tokens < 1 + cfg.draft_len:
-            raise EngineConfigError(f"max_num_tokens ({cfg.max_num_tokens}) must hold a verify step of"
-                                    f" 1 + {cfg.draft_len} draft tokens")
-
-        kvc = cfg.kv_cache_config
-        kv_dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(kvc.dtype, kvc.dtype)
-        layout = CacheLayout(mcfg, cfg.draft_len, kvc.tokens_per_block)
-        if kvc.max_gpu_memory_bytes:
-            budget = kvc.max_gpu_memory_bytes
-        elif kvc.max_tokens:
-            budget = (max(cfg.max_batch_size, 1) * CacheStorage.bytes_per_slot(layout, torch_dtype, kv_dtype)
-                      + -(-kvc.max_tokens // kvc.tokens_per_block)
-                      * CacheStorage.bytes_per_block(layout, torch_dtype, kv_dtype))
-        else:
-            budget = budget_from_fraction(kvc.free_gpu_memory_fraction, device)
-        self.cache_sizing = size_cache(layout, torch_dtype, kv_dtype, budget, cfg.max_batch_size, max_seq_len)
-        log.info("%s", self.cache_sizing.describe())
+        self.resolved = r = resolve(cfg, mcfg)  # after the weights: the cache's budget is the memory left
+        log.info("%s", r.sizing.describe())
         self.tokenizer = load_tokenizer(model)
         if self._group is None:
-            cache = KVCacheManager(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks)
-            storage = CacheStorage(layout, self.cache_sizing.num_slots, self.cache_sizing.num_blocks, device=device,
-                                   dtype=torch_dtype, kv_dtype=kv_dtype)
-            self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, max_seq_len, tokenizer=self.tokenizer)
-            self._prepare_graphs(cfg, layout, max_seq_len)
+            cache = KVCacheManager(r.layout, r.num_slots, r.num_blocks)
+            storage = CacheStorage(r.layout, r.num_slots, r.num_blocks, device=device, dtype=r.dtype,
+                                   kv_dtype=r.kv_dtype)
+            self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, r.max_seq_len, tokenizer=self.tokenizer)
+            if build_graphs(self.engine.runner, r.graphs) is not None:
+                log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", list(r.graphs.buckets),
+                         r.graphs.rows_per_seq, "on" if r.graphs.enable_padding else "off")
         else:
             from .parallel.driver import RankSetup, start_ranks
 
-            setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) else model, torch_dtype, cfg.seed,
-                              self.model.has_mtp, cfg.draft_len, kvc.tokens_per_block, kv_dtype,
-                              self.cache_sizing.num_slots, self.cache_sizing.num_blocks, self.mapping,
-                              cfg.attention_backend,
-                              self._graph_spec(cfg, layout, max_seq_len))
-            self.engine = start_ranks(self._group, setup, self.model, mcfg, cfg, max_seq_len, self.tokenizer, device)
+            setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) else model, r, self.mapping,
+                              self.model.has_mtp)
+            self.engine = start_ranks(self._group, setup, self.model, self.tokenizer)
         self.warmup_paths = run_warmup(self.engine) if warmup else []
-
-    def _graph_spec(self, cfg: EngineConfig, layout: CacheLayout, max_seq_len: int) -> dict | None:
-        """The CUDA-graph buckets (GraphRunner's arguments but ``capture``), the same on every rank; None
-        with enforce_eager or no bucket. Under attention DP they are per lane (max_batch_size is per rank)."""
-        if cfg.enforce_eager:
-            return None
-        gcfg = cfg.cuda_graph_config or CudaGraphConfig()
-        limit = min(gcfg.max_batch_size or cfg.max_batch_size, cfg.max_batch_size, self.cache_sizing.num_slots)
-        buckets = sorted({b for b in (gcfg.batch_sizes or default_buckets(limit)) if 1 <= b <= limit})
-        if not buckets:
-            return None
-        k = cfg.draft_len
-        ratios = self.model_config.ratios
-        max_entries = (max_seq_len + k) // min(ratios) + 1 if ratios else 1
-        return dict(rows_per_seq=1 + k, buckets=buckets, enable_padding=gcfg.enable_padding,
-                    max_entries=max_entries, max_blocks=layout.num_blocks_for(max_seq_len + k), with_mtp=k > 0,
-                    draft_len=k)
-
-    def _prepare_graphs(self, cfg: EngineConfig, layout: CacheLayout, max_seq_len: int, capture: bool = True):
-        """Capture the decode/verify CUDA graphs (after the cache is sized, before warmup replays them)."""
-        spec = self._graph_spec(cfg, layout, max_seq_len)
-        if build_graphs(self.engine.runner, spec, capture) is not None:
-            log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", spec["buckets"],
-                     spec["rows_per_seq"], "on" if spec["enable_padding"] else "off")
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process groups (multi-device; nothing to do on one device).
@@ -251,8 +201,9 @@ class LLM:
 
     def get_stats(self) -> dict:
         stats = self.engine.get_stats()
-        stats["kv_cache"] = {"num_slots": self.cache_sizing.num_slots, "num_blocks": self.cache_sizing.num_blocks,
-                             "tokens_per_block": self.config.kv_cache_config.tokens_per_block,
-                             "dtype": self.config.kv_cache_config.dtype, "summary": self.cache_sizing.describe()}
+        r = self.resolved
+        stats["kv_cache"] = {"num_slots": r.num_slots, "num_blocks": r.num_blocks,
+                             "tokens_per_block": r.layout.tokens_per_block, "dtype": r.kv_dtype,
+                             "summary": r.sizing.describe()}
         stats["parallel"] = self.mapping.describe()  # world_size: the devices per-device throughput divides by
         return stats

@@ -125,6 +125,9 @@ def check_report(rep: dict, env: dict, mtp: bool, tp: int = 1, attention_dp: boo
     kv = e["kv_cache"]
     assert (kv["dtype"], kv["tokens_per_block"], kv["free_gpu_memory_fraction"]) == ("fp8", 128, 0.9)
     assert kv["num_slots"] >= 1 and kv["num_blocks"] >= 1 and "KV cache:" in kv["summary"]
+    res = e["resolved"]  # what the engine was built from, the same numbers the sections above report
+    assert (res["kv_dtype"], res["num_slots"], res["num_blocks"]) == ("fp8", kv["num_slots"], kv["num_blocks"])
+    assert (res["dtype"], res["draft_len"], res["max_seq_len"]) == (e["dtype"], 1 if mtp else 0, e["max_seq_len"])
     p = rep["performance"]
     assert p["request_throughput_req_s"] > 0 and p["output_throughput_tok_s"] > 0
     assert p["total_token_throughput_tok_s"] > p["output_throughput_tok_s"]

@@ -8,7 +8,7 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine import cuda_backend
-from dsv4.engine.graphs import default_buckets
+from dsv4.engine.resolved import default_buckets
 
 
 @pytest.fixture

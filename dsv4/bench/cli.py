@@ -268,7 +268,7 @@ def _throughput(args) -> int:
     engine_log.addFilter(held)
     llm = None
     try:
-        llm = LLM(path, device=settings.device, dtype=settings.dtype, warmup=True, **settings.llm_kwargs)
+        llm = LLM(path, config=settings.config, warmup=True)  # the settings validated once, in options.resolve
     except (EngineConfigError, CacheConfigError, ConfigError, WarmupError, FileNotFoundError, RankError) as e:
         raise UsageError(f"cannot build the engine: {e}") from None
     finally:

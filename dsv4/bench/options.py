@@ -60,7 +60,8 @@ def load_yaml(path: str) -> dict:
 
 @dataclass
 class Settings:
-    """The resolved settings: ``llm_kwargs`` go to ``LLM(model, device=..., dtype=..., **llm_kwargs)``."""
+    """The merged settings: ``config`` goes to ``LLM(model, config=...)``; ``llm_kwargs`` are the same settings
+    as ``LLM``'s keywords (but device and dtype)."""
 
     merged: dict  # every setting, the LLM-API names (device and dtype included)
     config: EngineConfig  # the validated form

@@ -55,9 +55,10 @@ def _world_size(llm) -> int:
 def _engine_section(llm, settings, model: str, model_path: str, model_kind: str) -> dict:
     cfg = llm.config
     kvc = cfg.kv_cache_config
-    sizing = llm.cache_sizing
-    model_dtype = str(llm.model.embed.weight.dtype).replace("torch.", "")  # hc_* params stay fp32
-    kv_dtype = kvc.dtype if kvc.dtype != "auto" else f"auto ({model_dtype})"
+    r = llm.resolved
+    sizing = r.sizing
+    model_dtype = str(r.dtype).replace("torch.", "")  # hc_* params stay fp32
+    kv_dtype = kvc.dtype if kvc.dtype != "auto" else f"auto ({r.kv_dtype})"
     tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.moe_expert_parallel_size
     spec = cfg.speculative_config
     return {
@@ -69,7 +70,8 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
         "dtype": model_dtype,
         "max_batch_size": cfg.max_batch_size,
         "max_num_tokens": cfg.max_num_tokens,
-        "max_seq_len": llm.engine.max_seq_len,
+        "max_seq_len": r.max_seq_len,
+        "resolved": r.summary(),
         "kv_cache": {
             "dtype": kv_dtype,
             "tokens_per_block": kvc.tokens_per_block,

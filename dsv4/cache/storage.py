@@ -23,12 +23,13 @@ from dsv4.cache import ops
 from dsv4.cache.layout import CacheConfigError, CacheLayout
 from dsv4.kernels.fp8 import FP8, dequantize_fp8, num_scale_blocks, quantize_fp8
 
-KV_DTYPES = ("auto", "bf16", "fp32", "fp8")
+KV_DTYPES = ("auto", "bf16", "fp32", "fp16", "fp64", "fp8")
 
 
 def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The torch dtype the swa/entries tensors are stored in."""
-    table = {"auto": dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": FP8}
+    table = {"auto": dtype, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16,
+             "fp64": torch.float64, "fp8": FP8}
     if kv_dtype not in table:
         raise CacheConfigError(f"kv_dtype {kv_dtype!r} is not one of {KV_DTYPES}")
     return table[kv_dtype]

@@ -27,18 +27,11 @@ import torch
 
 from ..cache.plan import DraftTables, PlanShape, expand_rows, padded_shape
 from .cuda_backend import CudaBackend
+from .resolved import GraphSpec
 
 
 class GraphOrderError(RuntimeError):
     """An MTP graph was asked to replay for a step whose earlier graphs did not run on its bucket."""
-
-
-def default_buckets(max_batch_size: int) -> list[int]:
-    out = [b for b in (1, 2, 4, 8) if b <= max_batch_size]
-    out += list(range(16, max_batch_size + 1, 16))
-    if max_batch_size not in out:
-        out.append(max_batch_size)
-    return sorted(set(out))
 
 
 @dataclass
@@ -61,13 +54,12 @@ class _Bucket:
 
 
 class GraphRunner:
-    def __init__(self, model, storage, rows_per_seq: int, buckets: list[int], enable_padding: bool,
-                 max_entries: int, max_blocks: int, with_mtp: bool, capture: bool, draft_len: int = 0):
+    def __init__(self, model, storage, spec: GraphSpec, capture: bool):
         self.model, self.storage = model, storage
-        self.rows, self.enable_padding = rows_per_seq, enable_padding
-        self.buckets = sorted(buckets)
-        self.max_entries, self.max_blocks = max_entries, max_blocks
-        self.with_mtp, self.capture, self.draft_len = with_mtp, capture, draft_len
+        self.rows, self.enable_padding = spec.rows_per_seq, spec.enable_padding
+        self.buckets = sorted(spec.buckets)
+        self.max_entries, self.max_blocks = spec.max_entries, spec.max_blocks
+        self.with_mtp, self.capture, self.draft_len = spec.with_mtp, capture, spec.draft_len
         self._b: dict[int, _Bucket] = {}
         self.pool = None
         self.num_replays = 0
@@ -235,14 +227,13 @@ class GraphRunner:
         self.released = True
 
 
-def build_graphs(runner, spec: dict | None, capture: bool = True) -> GraphRunner | None:
-    """Give ``runner`` its GraphRunner for ``spec`` (GraphRunner's keyword arguments but ``capture``) and
-    prepare it: after the cache is sized, before warmup. Nothing when ``spec`` is None or the runner is not
+def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphRunner | None:
+    """Give ``runner`` its GraphRunner for ``spec`` (the resolved config's) and prepare it: after the cache is sized, before warmup. Nothing when ``spec`` is None or the runner is not
     on the kernel path. Multi-rank runs call this on every rank with the same spec, at the same point, so
     the captures (and the collectives inside them) line up, largest bucket first."""
     if spec is None or not runner.use_kernels:
         return None
-    runner.graphs = GraphRunner(runner.model, runner.storage, capture=capture and runner.storage.device.type == "cuda",
-                                **spec)
+    runner.graphs = GraphRunner(runner.model, runner.storage, spec,
+                                capture=capture and runner.storage.device.type == "cuda")
     runner.graphs.prepare()
     return runner.graphs

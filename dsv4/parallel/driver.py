@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.layout import CacheLayout
 from ..cache.manager import KVCacheManager
 from ..cache.storage import CacheStorage
 from ..engine.engine import LLMEngine
 from ..engine.graphs import build_graphs
+from ..engine.resolved import ResolvedConfig
 from ..engine.scheduler import Scheduler
 from ..model.loader import load_state, model_config
 from .comm import RankGroup
@@ -37,18 +37,13 @@ FAIL_ENV = "DSV4_INJECT_FAILURE"  # test hook: "<rank>:<setup|forward|propose>[:
 
 @dataclass(frozen=True)
 class RankSetup:
+    """What every rank is built from: the driver's resolved config, whole (dtype, KV dtype, cache layout and
+    sizing, graph buckets, settings), so no rank decides anything again."""
+
     model: str  # checkpoint directory or preset name
-    dtype: torch.dtype
-    seed: int
-    with_mtp: bool
-    draft_len: int
-    tokens_per_block: int
-    kv_dtype: str
-    num_slots: int
-    num_blocks: int
+    resolved: ResolvedConfig
     mapping: ParallelMapping
-    attention_backend: str = "auto"
-    graphs: dict | None = None  # the CUDA-graph buckets (build_graphs spec), the same on every rank; None: eager
+    with_mtp: bool  # the checkpoint's MTP layer is loaded (the driver's model has it)
 
 
 def torchrun_rank() -> int | None:
@@ -89,13 +84,12 @@ def serve(group: RankGroup) -> None:
     _maybe_fail(group.rank, "setup", 1)
     if group.backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
-    cfg, model = load_rank_model(setup.model, group, setup.mapping, setup.dtype, setup.with_mtp, setup.seed)
-    layout = CacheLayout(cfg, setup.draft_len, setup.tokens_per_block)
+    r = setup.resolved
+    _, model = load_rank_model(setup.model, group, setup.mapping, r.dtype, setup.with_mtp, r.engine.seed)
     device = group.device_of_rank()
-    storage = CacheStorage(layout, setup.num_slots, setup.num_blocks, device=device, dtype=setup.dtype,
-                           kv_dtype=setup.kv_dtype)
-    runner = LaneRunner(model, storage, device, setup.attention_backend)
-    build_graphs(runner, setup.graphs)  # with the driver and every rank: same buckets, same order
+    storage = _storage(r, device)
+    runner = LaneRunner(model, storage, device, r.engine.attention_backend)
+    build_graphs(runner, r.graphs)  # with the driver and every rank: same buckets, same order
     group.gather("ready")
     counts = {}
 
@@ -105,7 +99,11 @@ def serve(group: RankGroup) -> None:
             counts[kind] = counts.get(kind, 0) + 1
             _maybe_fail(group.rank, kind, counts[kind])
 
-    follow(group, runner, layout, setup.num_slots, setup.mapping.attention_dp, on_message)
+    follow(group, runner, r.layout, r.num_slots, setup.mapping.attention_dp, on_message)
+
+
+def _storage(r: ResolvedConfig, device) -> CacheStorage:
+    return CacheStorage(r.layout, r.num_slots, r.num_blocks, device=device, dtype=r.dtype, kv_dtype=r.kv_dtype)
 
 
 def run_worker(join) -> None:
@@ -137,13 +135,13 @@ class DistributedEngine(LLMEngine):
     """The engine on the driver: LLMEngine whose runner announces every pass to the other ranks; under
     attention DP its scheduler and cache are the per-rank compositions of ``lanes.py``."""
 
-    def __init__(self, model, model_cfg, layout: CacheLayout, storage, engine_cfg, max_seq_len: int, tokenizer,
-                 group: RankGroup, mapping: ParallelMapping, num_slots: int, num_blocks: int):
+    def __init__(self, model, r: ResolvedConfig, storage, tokenizer, group: RankGroup, mapping: ParallelMapping):
         lanes = mapping.dp_size
-        managers = [KVCacheManager(layout, num_slots, num_blocks) for _ in range(lanes)]
+        engine_cfg = r.engine
+        managers = [KVCacheManager(r.layout, r.num_slots, r.num_blocks) for _ in range(lanes)]
         lane_of: dict = {}
-        cache = managers[0] if lanes == 1 else LaneCaches(managers, lane_of, layout, num_slots)
-        super().__init__(model, model_cfg, cache, storage, engine_cfg, max_seq_len, tokenizer=tokenizer)
+        cache = managers[0] if lanes == 1 else LaneCaches(managers, lane_of, r.layout, r.num_slots)
+        super().__init__(model, model.cfg, cache, storage, engine_cfg, r.max_seq_len, tokenizer=tokenizer)
         self.group, self.mapping = group, mapping
         self.num_lanes = lanes  # warmup fills every lane
         self.runner = DistributedRunner(model, storage, self.device, engine_cfg.attention_backend, group, mapping)
@@ -154,21 +152,16 @@ class DistributedEngine(LLMEngine):
                  for m in managers], lane_of)
 
 
-def start_ranks(group: RankGroup, setup: RankSetup, model, model_cfg, engine_cfg, max_seq_len: int, tokenizer,
-                device: str) -> DistributedEngine:
+def start_ranks(group: RankGroup, setup: RankSetup, model, tokenizer) -> DistributedEngine:
     """Driver: send the setup, build its own cache and engine, wait until every rank is ready."""
+    r = setup.resolved
     try:
         group.send(setup)
-        layout = CacheLayout(model_cfg, setup.draft_len, setup.tokens_per_block)
-        storage = CacheStorage(layout, setup.num_slots, setup.num_blocks, device=device, dtype=setup.dtype,
-                               kv_dtype=setup.kv_dtype)
-        engine = DistributedEngine(model, model_cfg, layout, storage, engine_cfg, max_seq_len, tokenizer, group,
-                                   setup.mapping, setup.num_slots, setup.num_blocks)
+        engine = DistributedEngine(model, r, _storage(r, r.device), tokenizer, group, setup.mapping)
         group.on_destroy(engine.runner.release_graphs)
-        if build_graphs(engine.runner, setup.graphs) is not None:
+        if build_graphs(engine.runner, r.graphs) is not None:
             log.info("CUDA graphs on %d ranks: batch sizes %s x %d rows per request%s", group.world_size,
-                     setup.graphs["buckets"], setup.graphs["rows_per_seq"],
-                     " per lane" if setup.mapping.attention_dp else "")
+                     list(r.graphs.buckets), r.graphs.rows_per_seq, " per lane" if setup.mapping.attention_dp else "")
         group.gather("ready")
     except BaseException as e:
         raise group.fail(e) from e
