@@ -14,6 +14,7 @@ from common import report, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
+from dsv4.engine.proposer import rewrite_drafts
 
 
 def oracle(reference: dict, p_right: float, seed: int = 0):
@@ -73,7 +74,7 @@ def main():
         for label, hook in (("MTP", None), (f"oracle drafter p={args.p_right}", True)):
             if k == 0 and hook:
                 continue
-            llm.engine.draft_override = oracle(ref, args.p_right) if hook else None
+            rewrite_drafts(llm.engine, oracle(ref, args.p_right) if hook else None)
             llm.engine.reset_stats()
             t, out = timed(lambda: llm.generate(prompts, sp))
             toks = [o.outputs[0].token_ids for o in out]
@@ -89,7 +90,7 @@ def main():
             rows.append([k, label if k else "off", args.concurrency * args.gen / t,
                          f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                          f"{same:.3f}", first, gap])
-        llm.engine.draft_override = None
+        rewrite_drafts(llm.engine, None)
     text = table(["k", "drafts", "output tok/s", "acceptance", "mean accepted len", "tokens identical to MTP off",
                   "first divergence", "logit gap there (top-2 gap, median elsewhere)"], rows)
     report(f"MTP on vs off, {args.preset}, concurrency {args.concurrency}, {args.gen} output tokens", text,

@@ -1,4 +1,4 @@
-"""Test-only drafters, set as ``engine.draft_override``: they replace the MTP's drafts so that both the accept
+"""Test-only drafters, set with ``proposer.rewrite_drafts(engine, fn)``: they replace the MTP's drafts so that both the accept
 and the reject branches of verification run, whatever the weights."""
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.init_random import random_state_dict
 from dsv4.checkpoint.io import write_checkpoint
 from dsv4.config import get_preset
+from dsv4.engine.proposer import rewrite_drafts
 
 from .drafters import oracle
 from .hf_oracle import hf_greedy, hf_model
@@ -69,7 +70,7 @@ def test_mtp_greedy_is_token_identical(tiny_dir, k):
     base = _llm(tiny_dir, warmup=False).generate(prompts, sp)
     ref = [o.outputs[0].token_ids for o in base]
     llm = _llm(tiny_dir, speculative_config=MTP(k))
-    llm.engine.draft_override = oracle({tuple(p): r for p, r in zip(prompts, ref)}, 0.6, seed=k)
+    rewrite_drafts(llm.engine, oracle({tuple(p): r for p, r in zip(prompts, ref)}, 0.6, seed=k))
     out = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in out] == ref
     st = llm.get_stats()["speculative"]

@@ -19,7 +19,7 @@ engine's own draft d_{j-1} (teacher forcing), so every draft position is judged 
 The model is the trained built-in ``mini`` (its MTP drafts are right most of the time, so both branches of
 acceptance run on real drafts), with held-out prompts of mixed lengths. ``MODEL`` may name any checkpoint or
 preset: with a random preset (``tiny``) the MTP drafts are almost never right, which is why every run also
-has a twin with a test-only drafter (``engine.draft_override``) that replaces the drafts by the known answer
+has a twin with a test-only drafter (``proposer.rewrite_drafts``) that replaces the drafts by the known answer
 part of the time (the MTP's own drafts are still the ones checked against the dense reference).
 """
 
@@ -34,6 +34,7 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.cache.plan import DraftTables
+from dsv4.engine.proposer import rewrite_drafts
 from dsv4.model.dense import DenseBackend
 
 from .drafters import oracle
@@ -183,7 +184,7 @@ def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, p
         if k:
             capture(eng, run)
         if override is not None:
-            eng.draft_override = override
+            rewrite_drafts(eng, override)
         sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         run.rids = [eng.add_request(p, sp) for p in prompts]
         steps = 0

@@ -24,6 +24,7 @@ from dsv4.checkpoint.init_random import random_state_dict
 from dsv4.checkpoint.io import write_checkpoint
 from dsv4.config import get_preset
 from dsv4.engine.config import EngineConfig, EngineConfigError
+from dsv4.engine.proposer import rewrite_drafts
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams as SP
 from dsv4.engine.scheduler import Scheduler
@@ -66,7 +67,7 @@ def _tokens(outs):
 
 
 def _oracle(reference, proposals):
-    """Draft override (driver-side test hook): records what the MTP layer proposed, keyed by request and
+    """Draft rewrite (driver-side, a RewrittenProposer): records what the MTP layer proposed, keyed by request and
     position, and replaces it by the known answer 60% of the time so drafts are both accepted and rejected."""
     rng = random.Random(0)
 
@@ -89,7 +90,7 @@ def single(ckpt, prompts):
     ref = _tokens(LLM(ckpt, warmup=False, **KW).generate(prompts, SP8))
     llm = LLM(ckpt, warmup=False, speculative_config=MTP2, **KW)
     proposals = {}
-    llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals)
+    rewrite_drafts(llm.engine, _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals))
     assert _tokens(llm.generate(prompts, SP8)) == ref
     return ref, proposals
 
@@ -107,7 +108,7 @@ def test_matrix_token_identical(ckpt, prompts, single, mode, mtp):
         assert cache.num_free_slots == cache.num_slots and cache.num_free_blocks == cache.num_blocks
         proposals = {}
         if mtp:
-            llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals)
+            rewrite_drafts(llm.engine, _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals))
         assert _tokens(llm.generate(prompts, SP8)) == ref
         if mtp:
             st = llm.get_stats()["speculative"]
@@ -301,7 +302,7 @@ def test_graph_path_on_every_rank_token_identical(ckpt, prompts, single, mode, m
         assert graphs.num_replays > 0  # warmup's decode and verify steps replayed on every rank
         before = graphs.num_replays
         proposals = {}
-        llm.engine.draft_override = _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals)
+        rewrite_drafts(llm.engine, _oracle({tuple(p): r for p, r in zip(prompts, ref)}, proposals))
         assert _tokens(llm.generate(prompts, SP8)) == ref
         assert graphs.num_replays > before
         common = proposals.keys() & ref_proposals.keys()

@@ -1,5 +1,8 @@
 """The engine step: schedule -> plan -> run the target -> sample / verify -> propose drafts -> commit.
 
+Speculation is its own stage: a ``Proposer`` (``proposer.py``; the MTP layer's by default) drafts the next
+step's tokens after acceptance; the runner only offers forward passes.
+
 ``LLMEngine`` is what the LLM API and the benchmark drive: ``add_request`` then ``step`` until
 ``has_unfinished_requests`` is false. Every step's per-step state lives in one immutable plan the cache
 builds (R2); the cache's integrity check runs after every step when ``DSV4_CHECK_CACHE=1``.
@@ -10,14 +13,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Callable
-
 import torch
 
 from ..cache.manager import SeqStep
 from ..config import ModelConfig
 from ..transfer import HostCopy
 from .outputs import CompletionOutput, RequestOutput
+from .proposer import MtpProposer, Proposer
 from .request import Request
 from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
@@ -34,23 +36,26 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, model, model_cfg: ModelConfig, cache, storage, engine_cfg, max_seq_len: int,
-                 tokenizer=None):
+                 tokenizer=None, runner: ModelRunner | None = None, scheduler: Scheduler | None = None,
+                 proposer: Proposer | None = None):
+        """``runner``, ``scheduler``, ``proposer``: the single-device ones unless given (the multi-rank
+        driver gives its own runner and, under attention DP, its lanes' scheduler)."""
         self.model, self.model_cfg, self.cfg = model, model_cfg, engine_cfg
         self.cache, self.storage = cache, storage
         self.max_seq_len = max_seq_len
         self.tokenizer = tokenizer
         self.device = torch.device(engine_cfg.device)
         self.draft_len = engine_cfg.draft_len
-        self.runner = ModelRunner(model, storage, self.device, engine_cfg.attention_backend)
-        self.scheduler = Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens)
+        self.runner = runner or ModelRunner(model, storage, self.device, engine_cfg.attention_backend)
+        self.scheduler = scheduler or Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens)
+        # speculation's propose stage (None without MTP); tests and benchmarks may wrap it (RewrittenProposer)
+        self.proposer: Proposer | None = proposer or (MtpProposer(self.runner, self.draft_len)
+                                                      if self.draft_len else None)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_step: dict = {}  # a summary of the last step (for iteration logs)
-        # Test-only hook: replaces the MTP's greedy drafts (e.g. with the known answer part of the time) so
-        # both the accept and the reject branch run on random weights. None in normal use.
-        self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         # the overlap scheduler (see ``step``); a benchmark may switch it between steps
         self.overlap_scheduler = not engine_cfg.disable_overlap_scheduler
         self._pending: LaunchedStep | None = None  # the overlapped step whose tokens are not read back yet
@@ -216,16 +221,9 @@ class LLMEngine:
 
         if mtp:
             drafting = [s.sample and s.request.finish_reason is None for s in seqs]
-            draft_probs: dict[int, list[torch.Tensor]] = {}
-            drafts = self.runner.propose(seqs, plan, target, accepted, drafting, self.draft_len,
-                                         lambda rows, j, lg: self._draft_tokens(seqs, rows, lg, draft_probs))
-            for b, s in enumerate(seqs):
-                if drafting[b]:
-                    d = drafts[b]
-                    if self.draft_override is not None:
-                        d = list(self.draft_override(s.request, d))
-                    s.request.drafts = d
-                    s.request.draft_probs = torch.stack(draft_probs[b]) if b in draft_probs else None
+            for s, p in zip(seqs, self.proposer.propose(seqs, plan, target, accepted, drafting)):
+                if p is not None:
+                    s.request.drafts, s.request.draft_probs = list(p.tokens), p.probs
         return accepted, emitted
 
     @staticmethod
@@ -247,22 +245,6 @@ class LLMEngine:
         req = s.request
         return accept_sampled(logits, list(s.drafts), req.draft_probs if s.drafts else None, req.params,
                               req.generator)
-
-    def _draft_tokens(self, seqs: list[ScheduledSeq], rows: list[int], logits: torch.Tensor,
-                      keep: dict) -> list[int]:
-        """Draft tokens of batch rows ``rows`` from their MTP logits [len(rows), V]: greedy rows take the
-        argmax (one sync for all of them), sampled rows draw from q and keep it for verification."""
-        greedy = greedy_tokens(logits).tolist() if any(seqs[b].request.params.greedy for b in rows) else None
-        out = []
-        for i, b in enumerate(rows):
-            req = seqs[b].request
-            if req.params.greedy:
-                out.append(greedy[i])
-                continue
-            q = probs_from_logits(logits[i:i + 1], req.params)
-            keep.setdefault(b, []).append(q[0])
-            out.append(int(sample(q, req.generator)))
-        return out
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None and req.params.detokenize else None

@@ -178,7 +178,7 @@ class ModelRunner:
                    pick: Callable[[int, Callable[[], torch.Tensor]], Sequence[int]], graphed: bool = False) -> None:
         """MTP catch-up pass, then (if any lane drafts) draft passes 2..draft_len. After pass j,
         ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
-        logits [A, V]); they are the inputs of pass j+1. ``graphed``: the plan's CUDA graphs (the target pass
+        logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1. ``graphed``: the plan's CUDA graphs (the target pass
         of the same step replayed them too)."""
         model = self.model
         next_ids = self._ids(list(inp.next_ids), plan.shape.tokens)
@@ -201,6 +201,7 @@ class ModelRunner:
             return lambda: model.mtp_logits_from_streams(Xs[idx])
 
         toks = pick(1, logits_of(X_mtp, mtp_logits if graphed else None, rows))
+        zeros = torch.zeros(plan.shape.batch, dtype=torch.long, device=self.device) if draft_len > 1 else None
         b_pad = plan.shape.batch
         new_lens = torch.zeros(b_pad, dtype=torch.long)
         new_lens[:len(inp.new_lens)] = torch.tensor(inp.new_lens, dtype=torch.long)
@@ -208,10 +209,13 @@ class ModelRunner:
         X_prev = torch.zeros(b_pad, *X_mtp.shape[1:], dtype=X_mtp.dtype, device=self.device)
         X_prev[active_t] = X_mtp[rows]
         for j in range(2, draft_len + 1):
-            row_toks = [0] * b_pad
-            for b, t in zip(active, toks):
-                row_toks[b] = t
-            ids = self._ids(row_toks, b_pad)
+            if isinstance(toks, torch.Tensor):  # the drafts stay on the device
+                ids = zeros.index_copy(0, active_t, toks)
+            else:
+                row_toks = [0] * b_pad
+                for b, t in zip(active, toks):
+                    row_toks[b] = t
+                ids = self._ids(row_toks, b_pad)
             if graphed:
                 X_prev, all_logits = self.graphs.draft(plan, j, new_lens, ids, X_prev if j == 2 else None)
             else:
@@ -239,16 +243,19 @@ class ModelRunner:
                 drafting: list[bool], draft_len: int,
                 choose: Callable[[list[int], int, torch.Tensor], list[int]]) -> list[list[int]]:
         """MTP drafts for every seq with ``drafting`` set. ``choose(seq_indices, step, logits [A, V]) -> tokens``
-        turns the MTP logits of those seqs into draft tokens (argmax, or samples whose q the caller keeps)."""
+        turns the MTP logits of those seqs into draft tokens on the device (argmax, or samples whose q the
+        caller keeps); they feed the next pass there, and the host reads all passes' tokens once at the end."""
         inp = draft_inputs(seqs, plan.num_computed, num_accepted, drafting)
         drafts: list[list[int]] = [[] for _ in seqs]
+        chosen: list[torch.Tensor] = []
 
         def pick(j, logits_fn):
-            logits = logits_fn()
-            toks = list(choose(list(inp.active), j, logits)) if inp.active else []
-            for b, t in zip(inp.active, toks):
-                drafts[b].append(t)
+            toks = choose(list(inp.active), j, logits_fn())
+            chosen.append(toks)
             return toks
 
         self.run_drafts(plan, target.streams, inp, draft_len, bool(inp.active), pick, self._graphed(plan))
+        if inp.active:
+            for b, row in zip(inp.active, torch.stack(chosen, 1).tolist()):
+                drafts[b] = row
         return drafts

@@ -141,15 +141,14 @@ class DistributedEngine(LLMEngine):
         managers = [KVCacheManager(r.layout, r.num_slots, r.num_blocks) for _ in range(lanes)]
         lane_of: dict = {}
         cache = managers[0] if lanes == 1 else LaneCaches(managers, lane_of, r.layout, r.num_slots)
-        super().__init__(model, model.cfg, cache, storage, engine_cfg, r.max_seq_len, tokenizer=tokenizer)
+        runner = DistributedRunner(model, storage, r.device, engine_cfg.attention_backend, group, mapping)
+        runner.lane_of = lane_of
+        scheduler = None if lanes == 1 else DataParallelScheduler(
+            [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens) for m in managers], lane_of)
+        super().__init__(model, model.cfg, cache, storage, engine_cfg, r.max_seq_len, tokenizer=tokenizer,
+                         runner=runner, scheduler=scheduler)
         self.group, self.mapping = group, mapping
         self.num_lanes = lanes  # warmup fills every lane
-        self.runner = DistributedRunner(model, storage, self.device, engine_cfg.attention_backend, group, mapping)
-        self.runner.lane_of = lane_of
-        if lanes > 1:
-            self.scheduler = DataParallelScheduler(
-                [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens)
-                 for m in managers], lane_of)
 
 
 def start_ranks(group: RankGroup, setup: RankSetup, model, tokenizer) -> DistributedEngine:

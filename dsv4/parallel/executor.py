@@ -246,7 +246,8 @@ class DistributedRunner(LaneRunner):
             chosen = []
             for lane, inp in enumerate(inps):
                 idx = lane_idx[lane]
-                toks = tuple(choose([idx[b] for b in inp.active], j, lane_logits[lane])) if inp.active else ()
+                toks = (tuple(choose([idx[b] for b in inp.active], j, lane_logits[lane]).tolist())
+                        if inp.active else ())  # host ints: they are sent to the other ranks
                 for b, t in zip(inp.active, toks):
                     drafts[idx[b]].append(t)
                 chosen.append(toks)
