@@ -114,3 +114,22 @@ def test_kernels_are_a_leaf_and_lower_layers_do_not_reach_up():
     assert bad == [], f"kernels import other dsv4 packages: {bad}"
     bad = [(m, d) for m, deps in GRAPH.items() if _unit(m) in LOWER for d in deps if _unit(d) in UPPER]
     assert bad == [], f"{LOWER} import {UPPER}: {bad}"
+
+
+def test_environment_switches_live_in_env():
+    """Every ``DSV4_*`` variable the package reads is registered in ``dsv4/env.py`` (its table says what it
+    does): no other module holds one's name as a string literal (prose may mention them)."""
+    import re
+
+    from dsv4 import env
+
+    seen = {}
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"DSV4_[A-Z0-9_]+", node.value):
+                seen.setdefault(node.value, set()).add(m)
+    assert set(seen) == set(env.ALL) and all(mods == {"dsv4.env"} for mods in seen.values()), seen
+    assert all(f"``{n}" in env.__doc__ for n in env.ALL)
+    mentioned = {n for path in MODULES.values() for n in re.findall(r"DSV4_[A-Z0-9_]+", open(path).read())}
+    assert mentioned <= set(env.ALL), f"unregistered switches: {mentioned - set(env.ALL)}"

@@ -25,14 +25,14 @@ Set the environment variable ``DSV4_CHECK_CACHE=1`` to run ``check_integrity()``
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from dsv4 import env
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.plan import StepPlan, build_plan
 
-CHECK_ENV = "DSV4_CHECK_CACHE"
+CHECK_ENV = env.CHECK_CACHE
 _manager_ids = itertools.count(1)
 
 
@@ -274,7 +274,7 @@ class KVCacheManager:
 
     # ---- integrity (R6) -------------------------------------------------------------------------------
     def _maybe_check(self) -> None:
-        if os.environ.get(CHECK_ENV, "") not in ("", "0"):
+        if env.flag(CHECK_ENV):
             self.check_integrity()
 
     def check_integrity(self) -> None:

@@ -4,7 +4,8 @@ For every sliding-window layer the plan's ``swa_read`` / ``swa_valid`` say which
 step) each query sees; ``swa_write`` where this step's rows go. Compressed layers additionally write their
 compressor-state rows, pool the windows that close in this step into entries, write those, and gather
 every entry visible to each query. Reads happen before the writes of the same layer. This is the plain-torch
-path; the GPU kernels of a later issue implement the same contract.
+path (prefill chunks everywhere, every step on the CPU); ``cuda_backend.py`` implements the same contract with
+the Triton kernels for decode-like steps, and is tested against it.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ plain-torch CachedBackend (read-before-write over the combined index space).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from .. import env
 from ..kernels.indexer import select_top_rows
 from ..kernels.sparse_attention import sparse_sink_attention
 from ..model.attention import Compressor
@@ -23,7 +23,7 @@ from .backend import CachedBackend
 # Test switch, read in every process (multi-rank workers too, which a test's monkeypatch cannot reach):
 # "1" takes the decode-like kernel path (its torch twins) and so the CUDA-graph static-buffer path
 # (capture=False) on the CPU. Never needed in production: on CUDA the path is on anyway.
-STATIC_GRAPHS_ON_CPU_ENV = "DSV4_STATIC_GRAPHS_ON_CPU"
+STATIC_GRAPHS_ON_CPU_ENV = env.STATIC_GRAPHS_ON_CPU
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class CudaBackend(CachedBackend):
 
     @staticmethod
     def supports(storage) -> bool:
-        if os.environ.get(STATIC_GRAPHS_ON_CPU_ENV) == "1":  # test switch: the kernel path's torch twins on CPU
+        if env.flag(STATIC_GRAPHS_ON_CPU_ENV):  # test switch: the kernel path's torch twins on CPU
             return True
         return storage.device.type == "cuda"  # bf16, fp32 and FP8 caches (the kernel dequantises FP8 rows)
 

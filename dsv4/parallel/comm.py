@@ -34,11 +34,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import env
+
 log = logging.getLogger("dsv4")
 
 ABORT_KEY = "dsv4/abort"
-TIMEOUT_ENV = "DSV4_DIST_TIMEOUT_S"
-STACKS_ENV = "DSV4_DUMP_STACKS_S"  # debugging a hang: every rank prints its threads' Python stacks every S s
+TIMEOUT_ENV = env.DIST_TIMEOUT_S
+STACKS_ENV = env.DUMP_STACKS_S  # debugging a hang: every rank prints its threads' Python stacks every S s
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 _POLL_S = 0.1
 
@@ -57,7 +59,7 @@ class RankError(RuntimeError):
 
 
 def data_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "300")))
+    return datetime.timedelta(seconds=env.seconds(TIMEOUT_ENV, 300.0))
 
 
 def describe_exception(e: BaseException) -> str:
@@ -139,10 +141,10 @@ class RankGroup:
         self._stop = threading.Event()  # ends the driver's monitor thread (joined before the groups go)
         self._monitor: threading.Thread | None = None
         self._before_destroy: list = []  # called before the groups go (``on_destroy``)
-        if os.environ.get(STACKS_ENV):
+        if env.seconds(STACKS_ENV):
             import faulthandler
 
-            faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), repeat=True)
+            faulthandler.dump_traceback_later(env.seconds(STACKS_ENV), repeat=True)
 
     # ---- starting ---------------------------------------------------------------------------------------
     @classmethod

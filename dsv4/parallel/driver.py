@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import env
 from ..cache.manager import KVCacheManager
 from ..cache.storage import CacheStorage
 from ..engine.engine import LLMEngine
@@ -32,7 +33,7 @@ from .shard import build_shard, rank_experts
 
 log = logging.getLogger("dsv4")
 
-FAIL_ENV = "DSV4_INJECT_FAILURE"  # test hook: "<rank>:<setup|forward|propose>[:<n>]" makes that rank raise
+FAIL_ENV = env.INJECT_FAILURE  # test hook: "<rank>:<setup|forward|propose>[:<n>]" makes that rank raise
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def load_rank_model(model: str, group: RankGroup, mapping: ParallelMapping, dtyp
 
 
 def _maybe_fail(rank: int, where: str, count: int) -> None:
-    spec = os.environ.get(FAIL_ENV, "")
+    spec = env.text(FAIL_ENV)
     if not spec:
         return
     parts = spec.split(":")

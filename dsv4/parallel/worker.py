@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+
+from .. import env
 
 
 def main(argv=None) -> None:
@@ -20,7 +21,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="the driver's device (rank r uses cuda:base+r on CUDA)")
     p.add_argument("--parent", type=int, default=None, help="the driver's pid (exit if it dies)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("DSV4_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=env.text(env.LOG_LEVEL, "WARNING"))
     host, port = a.store.rsplit(":", 1)
     from .comm import RankGroup
     from .driver import run_worker
