@@ -9,17 +9,16 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import weakref
 from typing import Iterator, Sequence
 
 from .builtin import resolve_model
-from .cache.manager import KVCacheManager
-from .cache.storage import CacheStorage
 from .checkpoint.tokenizer import load_tokenizer
 from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
-from .engine.engine import LLMEngine, RequestError
-from .engine.graphs import build_graphs
+from .engine.build import build_engine
+from .engine.engine import RequestError
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.resolved import dtype_name, resolve, resolve_dtype
 from .engine.sampling_params import SamplingParams
@@ -95,13 +94,7 @@ class LLM:
         log.info("%s", r.sizing.describe())
         self.tokenizer = load_tokenizer(model)
         if self._group is None:
-            cache = KVCacheManager(r.layout, r.num_slots, r.num_blocks)
-            storage = CacheStorage(r.layout, r.num_slots, r.num_blocks, device=device, dtype=r.dtype,
-                                   kv_dtype=r.kv_dtype)
-            self.engine = LLMEngine(self.model, mcfg, cache, storage, cfg, r.max_seq_len, tokenizer=self.tokenizer)
-            if build_graphs(self.engine.runner, r.graphs) is not None:
-                log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", list(r.graphs.buckets),
-                         r.graphs.rows_per_seq, "on" if r.graphs.enable_padding else "off")
+            self.engine = build_engine(self.model, r, self.tokenizer)
         else:
             from .parallel.driver import RankSetup, start_ranks
 
@@ -141,26 +134,62 @@ class LLM:
                 raise RequestError("this model has no tokenizer (no tokenizer.json in the checkpoint); pass"
                                    " token-id lists instead of strings")
             return self.tokenizer.encode(prompt).ids, prompt
-        return [int(t) for t in prompt], None
+        return list(prompt), None
 
-    def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    @staticmethod
+    def _check_inputs(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        """Every prompt a string or a list of integer token ids, every sampling param a SamplingParams, one per
+        prompt: checked for the whole call before any request is queued (TypeError / ValueError naming the
+        element)."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got"
+                            f" {type(prompts).__name__}")
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                continue
+            if not isinstance(p, (list, tuple)) or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+                raise TypeError(f"prompt {i}: expected a string or a list of integer token ids, got {p!r:.80}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        return list(prompts), list(sampling_params)
+
+    def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
+        """Queue the call's requests (all inputs checked first). A request the engine refuses (too long, a
+        token outside the vocabulary) gets an error output and the others run; any other failure leaves
+        nothing of the call queued."""
+        prompts, sampling_params = self._check_inputs(prompts, sampling_params)
         handles = []
-        for prompt, sp in zip(prompts, sampling_params):
-            try:
-                ids, text = self._encode(prompt)
-                handles.append((self.engine.add_request(ids, sp, prompt=text), None))
-            except RequestError as e:  # only this request is refused; the others run
-                handles.append((None, RequestOutput("", [], [CompletionOutput(0, [], None, "error")], True,
-                                                    error=str(e))))
+        try:
+            for prompt, sp in zip(prompts, sampling_params):
+                try:
+                    ids, text = self._encode(prompt)
+                    handles.append((self.engine.add_request(ids, sp, prompt=text), None))
+                except RequestError as e:  # only this request is refused; the others run
+                    handles.append((None, RequestOutput("", [], [CompletionOutput(0, [], None, "error")], True,
+                                                        error=str(e))))
+        except BaseException:
+            self._release(handles)
+            raise
         return handles
+
+    def _release(self, handles) -> None:
+        """Abort the call's requests that have not finished and drop them all from the engine's table (a
+        failed step, an abandoned stream, a failed submit)."""
+        for rid, _ in handles:
+            if rid is not None:
+                self.engine.abort_request(rid)
+                self.engine.requests.pop(rid, None)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -171,33 +200,35 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=sum(1 for h, _ in handles if h is not None), desc="generate")
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        results = []
-        for rid, err in handles:
-            results.append(err if rid is None else final[rid])
-            if rid is not None:
-                self.engine.requests.pop(rid, None)
-        return results
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self._release(handles)
+        return [err if rid is None else final[rid] for rid, err in handles]
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput (cumulative tokens) each time a request gets new tokens or finishes. A
-        finished request leaves the engine's table once its last output is yielded (as in ``generate``)."""
+        finished request leaves the engine's table once its last output is yielded (as in ``generate``); a
+        stream closed early (or failed) aborts its requests that had not finished."""
         handles = self._submit(prompts, sampling_params)
-        for rid, err in handles:
-            if err is not None:
-                yield err
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    self.engine.requests.pop(out.request_id, None)
-                yield out
+        try:
+            for rid, err in handles:
+                if err is not None:
+                    yield err
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        self.engine.requests.pop(out.request_id, None)
+                    yield out
+        finally:
+            self._release(handles)
 
     def get_stats(self) -> dict:
         stats = self.engine.get_stats()

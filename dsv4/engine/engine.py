@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..transfer import HostCopy
 from .outputs import CompletionOutput, RequestOutput
 from .proposer import MtpProposer, Proposer
+from .protocols import StepCache, StepScheduler
 from .request import Request
 from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
@@ -35,8 +36,10 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, model, model_cfg: ModelConfig, cache, storage, engine_cfg, max_seq_len: int,
-                 tokenizer=None, runner: ModelRunner | None = None, scheduler: Scheduler | None = None,
+    num_lanes = 1  # attention-DP lanes, each with its own batch limits (the multi-rank driver may have several)
+
+    def __init__(self, model, model_cfg: ModelConfig, cache: StepCache, storage, engine_cfg, max_seq_len: int,
+                 tokenizer=None, runner: ModelRunner | None = None, scheduler: StepScheduler | None = None,
                  proposer: Proposer | None = None):
         """``runner``, ``scheduler``, ``proposer``: the single-device ones unless given (the multi-rank
         driver gives its own runner and, under attention DP, its lanes' scheduler)."""
@@ -259,7 +262,7 @@ class LLMEngine:
         """Start the step, preemption and speculation counters afresh (after warmup, or between runs)."""
         self.spec_stats = SpecStats()
         self.num_steps = 0
-        self.scheduler.num_preemptions = 0
+        self.scheduler.reset_stats()
 
     def get_stats(self) -> dict:
         return {"num_steps": self.num_steps, "num_preemptions": self.scheduler.num_preemptions,

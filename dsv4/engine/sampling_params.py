@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy (vLLM's _SAMPLING_EPS)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -17,15 +29,28 @@ class SamplingParams:
     detokenize: bool = True  # False: outputs carry token ids only (text None), as vLLM's flag
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        """Refuse at construction what a step could not run (a NaN temperature, a fractional top_k), naming
+        the field. As vLLM: a temperature below 1e-5 means greedy, top_k -1 means off."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got"
+                             f" {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple)) else None
+        if stops is None or not all(_is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (integers >= 0), got"
+                             f" {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:

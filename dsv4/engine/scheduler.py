@@ -40,6 +40,9 @@ class Scheduler:
     def add(self, req: Request):
         self.waiting.append(req)
 
+    def reset_stats(self) -> None:
+        self.num_preemptions = 0
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -20,7 +20,7 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int]]:
     decode batch's first step, so its requests generate enough tokens to verify twice)."""
     cfg = engine.cfg
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
-    lanes = getattr(engine, "num_lanes", 1)
+    lanes = engine.num_lanes
     chunk = min(cfg.max_num_tokens, engine.max_seq_len - 2)
     batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
     steps = 2 + 2 * (engine.draft_len + 1) if engine.draft_len else 2

@@ -19,7 +19,7 @@ import torch
 
 from .. import env
 from ..cache.manager import KVCacheManager
-from ..cache.storage import CacheStorage
+from ..engine.build import make_storage
 from ..engine.engine import LLMEngine
 from ..engine.graphs import build_graphs
 from ..engine.resolved import ResolvedConfig
@@ -88,7 +88,7 @@ def serve(group: RankGroup) -> None:
     r = setup.resolved
     _, model = load_rank_model(setup.model, group, setup.mapping, r.dtype, setup.with_mtp, r.engine.seed)
     device = group.device_of_rank()
-    storage = _storage(r, device)
+    storage = make_storage(r, device)
     runner = LaneRunner(model, storage, device, r.engine.attention_backend)
     build_graphs(runner, r.graphs)  # with the driver and every rank: same buckets, same order
     group.gather("ready")
@@ -101,10 +101,6 @@ def serve(group: RankGroup) -> None:
             _maybe_fail(group.rank, kind, counts[kind])
 
     follow(group, runner, r.layout, r.num_slots, setup.mapping.attention_dp, on_message)
-
-
-def _storage(r: ResolvedConfig, device) -> CacheStorage:
-    return CacheStorage(r.layout, r.num_slots, r.num_blocks, device=device, dtype=r.dtype, kv_dtype=r.kv_dtype)
 
 
 def run_worker(join) -> None:
@@ -157,7 +153,7 @@ def start_ranks(group: RankGroup, setup: RankSetup, model, tokenizer) -> Distrib
     r = setup.resolved
     try:
         group.send(setup)
-        engine = DistributedEngine(model, r, _storage(r, r.device), tokenizer, group, setup.mapping)
+        engine = DistributedEngine(model, r, make_storage(r, r.device), tokenizer, group, setup.mapping)
         group.on_destroy(engine.runner.release_graphs)
         if build_graphs(engine.runner, r.graphs) is not None:
             log.info("CUDA graphs on %d ranks: batch sizes %s x %d rows per request%s", group.world_size,

@@ -70,13 +70,13 @@ class LaneCaches:
                 device)
         return LanePlans(tuple(plans), local, tuple(tuple(i) for i in idx), N, B)
 
-    def commit_step(self, lp: LanePlans, num_accepted: Sequence[int]) -> None:
-        for m, p, idx in zip(self.managers, lp.plans, lp.lane_indices):
+    def commit_step(self, plan: LanePlans, num_accepted: Sequence[int]) -> None:
+        for m, p, idx in zip(self.managers, plan.plans, plan.lane_indices):
             if p is not None:
                 m.commit_step(p, [num_accepted[i] for i in idx])
 
-    def abort_step(self, lp: LanePlans) -> None:
-        for m, p in zip(self.managers, lp.plans):
+    def abort_step(self, plan: LanePlans) -> None:
+        for m, p in zip(self.managers, plan.plans):
             if p is not None:
                 m.abort_step(p)
 
@@ -138,7 +138,6 @@ class DataParallelScheduler:
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.schedulers)
 
-    @num_preemptions.setter
-    def num_preemptions(self, value: int) -> None:  # warmup resets the counter
-        for i, s in enumerate(self.schedulers):
-            s.num_preemptions = value if i == 0 else 0
+    def reset_stats(self) -> None:
+        for s in self.schedulers:
+            s.reset_stats()

@@ -1,0 +1,116 @@
+"""Bad input at the Python API's edge: a clear error naming what to change, and nothing left behind (no request
+queued, none in the engine's table, every cache slot and block free). Table-driven: each row is what a hostile
+user tried (issue 18, item 4) and what they must get."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsv4 import LLM, SamplingParams
+
+# (SamplingParams keywords, the error's words)
+BAD_PARAMS = [
+    ({"temperature": math.nan}, "temperature must be a finite number"),
+    ({"temperature": math.inf}, "temperature must be a finite number"),
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"top_k": -2}, "top_k must be an integer >= 0"),
+    ({"top_k": True}, "top_k must be an integer"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": math.nan}, r"top_p must be in \(0, 1\]"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"seed": 1.5}, "seed must be an integer or None"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": 7}, "stop_token_ids must be a list of token ids"),
+]
+
+
+@pytest.mark.parametrize("kw,words", BAD_PARAMS, ids=[str(k) for k, _ in BAD_PARAMS])
+def test_bad_sampling_params_are_refused_when_made(kw, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**kw)
+
+
+def test_what_vllm_accepts_means_what_it_means_there():
+    assert SamplingParams(temperature=1e-45).greedy  # below 1e-5: greedy
+    assert SamplingParams(top_k=-1).top_k == 0  # -1: off
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", max_batch_size=4, max_seq_len=64, kv_cache_config={"max_tokens": 512}, warmup=False)
+
+
+def _clean(llm):
+    e = llm.engine
+    assert not e.requests and not e.has_unfinished_requests()
+    assert e.cache.num_free_slots == e.cache.num_slots and e.cache.num_free_blocks == e.cache.num_blocks
+    e.cache.check_integrity()
+
+
+GOOD = [1, 2, 3, 4]
+# (prompts, sampling params, error type, the error's words): the bad element comes after good ones
+BAD_CALLS = [
+    ([GOOD, None], None, TypeError, "prompt 1: expected a string or a list of integer token ids"),
+    ([GOOD, 5], None, TypeError, "prompt 1"),
+    ([GOOD, ["a"]], None, TypeError, "prompt 1"),
+    ([GOOD, [1.0, 2.0]], None, TypeError, "prompt 1"),  # float ids are not truncated
+    ([GOOD, [True, 2]], None, TypeError, "prompt 1"),
+    (GOOD + [2.5], None, TypeError, "prompt 0"),
+    (42, None, TypeError, "prompts must be"),
+    ([GOOD, GOOD], [SamplingParams(max_tokens=2)], ValueError, "1 sampling params for 2 prompts"),
+    ([GOOD, GOOD], [SamplingParams(max_tokens=2), {"max_tokens": 2}], TypeError, "sampling_params must be"),
+]
+
+
+@pytest.mark.parametrize("prompts,params,err,words", BAD_CALLS, ids=[w for *_, w in BAD_CALLS])
+@pytest.mark.parametrize("api", ["generate", "generate_stream"])
+def test_a_bad_element_queues_nothing(llm, api, prompts, params, err, words):
+    with pytest.raises(err, match=words):
+        out = getattr(llm, api)(prompts, params)
+        if api == "generate_stream":
+            list(out)
+    _clean(llm)
+    # the next call runs only its own request
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([GOOD], SamplingParams(max_tokens=3))] == [3]
+    _clean(llm)
+
+
+def test_a_refused_request_does_not_stop_the_others(llm):
+    outs = llm.generate([GOOD, [10**9], list(range(100))], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert "outside the vocabulary" in outs[1].error and "exceeds max_seq_len" in outs[2].error
+    _clean(llm)
+
+
+def test_an_abandoned_stream_leaves_nothing(llm):
+    solo = llm.generate([GOOD], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    stream = llm.generate_stream([GOOD, [5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+    next(stream)
+    stream.close()
+    llm.engine.step()  # an overlapped step still in flight settles
+    _clean(llm)
+    assert llm.generate([GOOD], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids == solo
+
+
+def test_a_failing_step_fails_its_call_and_leaves_nothing(llm, monkeypatch):
+    calls = {"n": 0}
+    real = llm.engine.runner.forward
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real(*a, **k)
+
+    monkeypatch.setattr(llm.engine.runner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        llm.generate([GOOD, [9, 8, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+    monkeypatch.undo()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    _clean(llm)
+    assert len(llm.generate([GOOD], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
