@@ -98,6 +98,14 @@ class ModelConfig:
         need(self.n_experts_per_tok <= self.n_routed_experts,
              f"n_experts_per_tok ({self.n_experts_per_tok}) > n_routed_experts ({self.n_routed_experts})")
         need(self.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {self.n_shared_experts}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "window_size",
+                     "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "n_experts_per_tok",
+                     "moe_inter_dim", "hc_mult", "q_lora_rank", "o_lora_rank", "o_groups"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        need(0 <= self.eos_token_id < self.vocab_size,
+             f"eos_token_id {self.eos_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        need(self.max_position_embeddings >= 2,
+             f"max_position_embeddings must be >= 2, got {self.max_position_embeddings}")
         need(self.score_func in ("sqrtsoftplus", "sigmoid", "softmax"), f"unknown scoring_func {self.score_func!r}")
         need(0 <= self.num_hash_layers <= self.num_layers,
              f"num_hash_layers ({self.num_hash_layers}) outside 0..{self.num_layers}")
@@ -218,8 +226,21 @@ def from_config_dict(raw: dict) -> ModelConfig:
             raise ConfigError(f"config.json has no {names[0]!r}")
         return default
 
-    n_layers = int(get("num_hidden_layers", "n_layers"))
-    n_mtp = int(get("num_nextn_predict_layers", "n_mtp_layers", default=0, required=False))
+    def iget(*names, default=None, required=True) -> int:
+        """An integer field: 64 or 64.0, never 64.9, "64" or true."""
+        v = get(*names, default=default, required=required)
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            raise ConfigError(f"config.json: {names[0]!r} must be an integer, got {v!r}")
+        return int(v)
+
+    def fget(*names, default=None, required=True) -> float:
+        v = get(*names, default=default, required=required)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"config.json: {names[0]!r} must be a number, got {v!r}")
+        return float(v)
+
+    n_layers = iget("num_hidden_layers", "n_layers")
+    n_mtp = iget("num_nextn_predict_layers", "n_mtp_layers", default=0, required=False)
 
     # ---- per-layer compress ratios
     if d.get("compress_ratios") is not None:
@@ -269,15 +290,15 @@ def from_config_dict(raw: dict) -> ModelConfig:
         n_hash = 3
 
     # ---- rope
-    head_dim = int(get("head_dim"))
+    head_dim = iget("head_dim")
     if d.get("qk_rope_head_dim") is not None:
         rope_dim = int(d["qk_rope_head_dim"])
     elif d.get("partial_rotary_factor") is not None:
         rope_dim = int(round(head_dim * float(d["partial_rotary_factor"])))
     else:
         rope_dim = 64
-    rope_theta = float(get("rope_theta", default=10000.0, required=False))
-    compress_theta = float(get("compress_rope_theta", default=160000.0, required=False))
+    rope_theta = fget("rope_theta", default=10000.0, required=False)
+    compress_theta = fget("compress_rope_theta", default=160000.0, required=False)
     scaling = d.get("rope_scaling")
     rp = d.get("rope_parameters")
     if isinstance(rp, dict):
@@ -305,45 +326,45 @@ def from_config_dict(raw: dict) -> ModelConfig:
         elif kind != "default":
             raise ConfigError(f"rope_scaling type {kind!r} is not supported (yarn or none)")
 
-    if int(get("num_key_value_heads", default=1, required=False)) != 1:
+    if iget("num_key_value_heads", default=1, required=False) != 1:
         raise ConfigError("num_key_value_heads must be 1 (DeepSeek-V4 has a single shared K=V head)")
 
     eos = get("eos_token_id", default=1, required=False)
     if isinstance(eos, list):
         eos = eos[0]
     return ModelConfig(
-        vocab_size=int(get("vocab_size")),
-        hidden_size=int(get("hidden_size", "dim")),
+        vocab_size=iget("vocab_size"),
+        hidden_size=iget("hidden_size", "dim"),
         num_layers=n_layers,
-        num_heads=int(get("num_attention_heads", "n_heads")),
+        num_heads=iget("num_attention_heads", "n_heads"),
         head_dim=head_dim,
         rope_dim=rope_dim,
-        q_lora_rank=int(get("q_lora_rank")),
-        o_groups=int(get("o_groups")),
-        o_lora_rank=int(get("o_lora_rank")),
-        window_size=int(get("sliding_window", "window_size")),
+        q_lora_rank=iget("q_lora_rank"),
+        o_groups=iget("o_groups"),
+        o_lora_rank=iget("o_lora_rank"),
+        window_size=iget("sliding_window", "window_size"),
         compress_ratios=tuple(main),
         num_mtp_layers=n_mtp,
-        index_n_heads=int(get("index_n_heads")),
-        index_head_dim=int(get("index_head_dim")),
-        index_topk=int(get("index_topk")),
-        n_routed_experts=int(get("n_routed_experts")),
-        n_experts_per_tok=int(get("num_experts_per_tok", "n_activated_experts")),
-        n_shared_experts=int(get("n_shared_experts", default=1, required=False)),
-        moe_inter_dim=int(get("moe_intermediate_size", "moe_inter_dim")),
-        route_scale=float(get("routed_scaling_factor", "route_scale", default=1.0, required=False)),
+        index_n_heads=iget("index_n_heads"),
+        index_head_dim=iget("index_head_dim"),
+        index_topk=iget("index_topk"),
+        n_routed_experts=iget("n_routed_experts"),
+        n_experts_per_tok=iget("num_experts_per_tok", "n_activated_experts"),
+        n_shared_experts=iget("n_shared_experts", default=1, required=False),
+        moe_inter_dim=iget("moe_intermediate_size", "moe_inter_dim"),
+        route_scale=fget("routed_scaling_factor", "route_scale", default=1.0, required=False),
         num_hash_layers=n_hash,
-        swiglu_limit=float(get("swiglu_limit", default=0.0, required=False)),
-        hc_mult=int(get("hc_mult", default=4, required=False)),
-        hc_sinkhorn_iters=int(get("hc_sinkhorn_iters", default=20, required=False)),
-        hc_eps=float(get("hc_eps", default=1e-6, required=False)),
-        norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-6, required=False)),
+        swiglu_limit=fget("swiglu_limit", default=0.0, required=False),
+        hc_mult=iget("hc_mult", default=4, required=False),
+        hc_sinkhorn_iters=iget("hc_sinkhorn_iters", default=20, required=False),
+        hc_eps=fget("hc_eps", default=1e-6, required=False),
+        norm_eps=fget("rms_norm_eps", "norm_eps", default=1e-6, required=False),
         rope_theta=rope_theta,
         compress_rope_theta=compress_theta,
         yarn=yarn,
-        max_position_embeddings=int(get("max_position_embeddings", default=1048576, required=False)),
+        max_position_embeddings=iget("max_position_embeddings", default=1048576, required=False),
         score_func=str(get("scoring_func", "score_func", default="sqrtsoftplus", required=False)),
-        bos_token_id=int(get("bos_token_id", default=0, required=False)),
+        bos_token_id=iget("bos_token_id", default=0, required=False),
         eos_token_id=int(eos),
         shared_expert_clamp=bool(d.get("dsv4_shared_expert_clamp", False)),
     )

@@ -92,6 +92,11 @@ class LLM:
         self.model_config = mcfg
         self.resolved = r = resolve(cfg, mcfg)  # after the weights: the cache's budget is the memory left
         log.info("%s", r.sizing.describe())
+        if r.num_slots < cfg.max_batch_size:  # both per rank under attention DP
+            self.notes.append(f"the KV cache has room for {r.num_slots} requests at once; max_batch_size="
+                              f"{cfg.max_batch_size} is capped to {r.num_slots} (give the cache more memory or"
+                              f" lower max_seq_len={r.max_seq_len} for more)")
+            log.warning("%s", self.notes[-1])
         self.tokenizer = load_tokenizer(model)
         if self._group is None:
             self.engine = build_engine(self.model, r, self.tokenizer)

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from dsv4 import LLM, SamplingParams
+from dsv4.engine.config import EngineConfigError
 
 # (SamplingParams keywords, the error's words)
 BAD_PARAMS = [
@@ -114,3 +115,73 @@ def test_a_failing_step_fails_its_call_and_leaves_nothing(llm, monkeypatch):
         llm.engine.step()
     _clean(llm)
     assert len(llm.generate([GOOD], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
+
+
+# ---- settings and limits (issue 18, items 2, 3, 7) -------------------------------------------------------
+MTP1 = {"decoding_type": "MTP", "num_nextn_predict_layers": 1}
+# (LLM settings that are valid, however small): warmup fits in them and a request that fits runs
+SMALL_BUT_VALID = [
+    ({"max_seq_len": 2, "max_batch_size": 1}, [1], 1),  # a 1-token prompt with 1 output token
+    ({"max_seq_len": 6, "max_batch_size": 2, "speculative_config": MTP1}, [1, 2, 3], 3),
+    ({"max_seq_len": 8, "max_batch_size": 2, "max_num_tokens": 4,
+      "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3}}, [1, 2, 3, 4], 4),
+    ({"max_seq_len": 64, "max_batch_size": 1, "kv_cache_config": {"max_tokens": 64}}, [1, 2], 62),
+]
+
+
+@pytest.mark.parametrize("settings,prompt,n", SMALL_BUT_VALID, ids=[str(s) for s, *_ in SMALL_BUT_VALID])
+def test_warmup_fits_whatever_the_limits_allow(settings, prompt, n):
+    llm = LLM("tiny", **{"kv_cache_config": {"max_tokens": 256}, **settings})
+    assert llm.warmup_paths
+    out = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == n
+    _clean(llm)
+
+
+# (LLM settings, the error's words): refused at once, before weights are read or memory allocated
+BAD_SETTINGS = [
+    ({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1000}}, "at most 16"),
+    ({"max_batch_size": 10**23}, r"max_batch_size must be in \[1, 65536\]"),
+    ({"max_num_tokens": 0}, r"max_num_tokens must be in \[1,"),
+    ({"max_seq_len": 1}, "max_seq_len must be >= 2"),
+]
+
+
+@pytest.mark.parametrize("settings,words", BAD_SETTINGS, ids=[w for _, w in BAD_SETTINGS])
+def test_impossible_settings_are_refused_before_anything_is_built(settings, words, monkeypatch):
+    import dsv4.llm
+
+    monkeypatch.setattr(dsv4.llm, "load_model", lambda *a, **k: pytest.fail("weights loaded for bad settings"))
+    with pytest.raises(EngineConfigError, match=words):
+        LLM("tiny", **settings)
+
+
+def test_a_cache_smaller_than_the_batch_says_so():
+    llm = LLM("tiny", max_batch_size=8, max_seq_len=512, kv_cache_config={"max_gpu_memory_bytes": 200_000},
+              warmup=False)
+    assert llm.resolved.num_slots < 8
+    assert any(f"max_batch_size=8 is capped to {llm.resolved.num_slots}" in n for n in llm.notes)
+    assert "0.0 MiB" not in llm.resolved.sizing.describe() and "KiB budget" in llm.resolved.sizing.describe()
+
+
+# ---- config.json (issue 18, items 5 and 8) ----------------------------------------------------------------
+# (a key of the tiny model's config.json and a wrong value, the error's words)
+BAD_CONFIG_KEYS = [
+    ("hidden_size", 64.9, "'hidden_size' must be an integer, got 64.9"),
+    ("hidden_size", "64", "'hidden_size' must be an integer"),
+    ("num_attention_heads", True, "'num_attention_heads' must be an integer"),
+    ("sliding_window", 0, "window_size must be >= 1"),
+    ("index_topk", -4, "index_topk must be >= 1"),
+    ("eos_token_id", 10**6, "eos_token_id 1000000 is outside the vocabulary"),
+    ("rope_theta", "big", "'rope_theta' must be a number"),
+]
+
+
+@pytest.mark.parametrize("key,value,words", BAD_CONFIG_KEYS, ids=[f"{k}={v!r}" for k, v, _ in BAD_CONFIG_KEYS])
+def test_a_wrongly_typed_config_key_is_named(key, value, words):
+    from dsv4.config import ConfigError, from_config_dict, get_preset
+
+    raw = get_preset("tiny").to_official_dict()
+    assert key in raw
+    with pytest.raises(ConfigError, match=words):
+        from_config_dict({**raw, key: value})

@@ -303,7 +303,7 @@ def test_bad_dataset_is_a_message(capsys, tmp_path, case):
     (["--beam_width", "4"], ["--beam_width 4", "beam"]),
     (["--backend", "tensorrt"], ["--backend tensorrt", "pytorch"]),
     (["--concurrency", "0"], ["--concurrency 0"]),
-    (["--max_batch_size", "0"], ["max_batch_size must be >= 1"]),
+    (["--max_batch_size", "0"], ["max_batch_size must be in [1, 65536], got 0"]),
     (["--kv_cache_free_gpu_mem_fraction", "1.5"], ["free_gpu_memory_fraction"]),
     (["--pp", "2"], ["pipeline_parallel_size=2", "not implemented"]),
     (["--tp", "3"], ["tensor_parallel_size=3"]),

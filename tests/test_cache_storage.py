@@ -100,7 +100,7 @@ def test_size_cache_splits_budget_and_caps():
     assert s.num_slots == 2 and s.num_blocks == per_seq + 3 and not s.capped
     assert s.total_bytes == budget
     text = s.describe()
-    assert "2 slots" in text and f"{per_seq + 3} blocks" in text and "KiB/token" in text and "MiB" in text
+    assert "2 slots" in text and f"{per_seq + 3} blocks" in text and "KiB/token" in text and "KiB budget" in text and "0.0 MiB" not in text
     # one slot's blocks are capped at one sequence
     s = size_cache(lay, torch.bfloat16, "auto", null + bps + (per_seq + 5) * bpb, max_batch_size=8,
                    max_seq_len=100)

@@ -20,6 +20,14 @@ from dsv4.cache.storage import CacheStorage
 _MiB = 1 << 20
 
 
+def _size(n: int) -> str:
+    """Bytes in the unit that shows them (never "0.0 MiB" for a small cache)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", _MiB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 @dataclass(frozen=True)
 class CacheSizing:
     num_slots: int
@@ -33,11 +41,11 @@ class CacheSizing:
 
     def describe(self) -> str:
         per_tok = self.bytes_per_block / self.tokens_per_block / 1024
-        s = (f"KV cache: {self.num_slots} slots x {self.bytes_per_slot / _MiB:.2f} MiB per request "
-             f"(SWA rings + compressor states) + {self.num_blocks} blocks x {self.bytes_per_block / 1024:.1f} KiB "
+        s = (f"KV cache: {self.num_slots} slots x {_size(self.bytes_per_slot)} per request "
+             f"(SWA rings + compressor states) + {self.num_blocks} blocks x {_size(self.bytes_per_block)} "
              f"per {self.tokens_per_block} tokens ({per_tok:.2f} KiB/token, "
-             f"{self.num_blocks * self.tokens_per_block} tokens) = {self.total_bytes / _MiB:.1f} MiB "
-             f"of a {self.budget_bytes / _MiB:.1f} MiB budget")
+             f"{self.num_blocks * self.tokens_per_block} tokens) = {_size(self.total_bytes)} "
+             f"of a {_size(self.budget_bytes)} budget")
         if self.capped:
             s += "; blocks capped at what max_batch_size x max_seq_len can use"
         return s

@@ -32,6 +32,12 @@ class KvCacheConfig:
             raise EngineConfigError("kv_cache_config.tokens_per_block must be > 0")
 
 
+MAX_DRAFT_LEN = 16
+# bounds that no device reaches (they refuse 1e23 before anything is sized or allocated)
+MAX_BATCH_SIZE = 1 << 16
+MAX_NUM_TOKENS = 1 << 24
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     decoding_type: str = "MTP"
@@ -44,6 +50,10 @@ class SpeculativeConfig:
                                     " supported for DeepSeek-V4")
         if self.draft_len < 1:
             raise EngineConfigError("speculative_config: the number of draft tokens must be >= 1")
+        if self.draft_len > MAX_DRAFT_LEN:
+            raise EngineConfigError(f"speculative_config: {self.draft_len} draft tokens per step; at most"
+                                    f" {MAX_DRAFT_LEN} (DeepSeek-V4's one MTP layer is chained once per draft"
+                                    " token and its drafts are rarely accepted past 3 or 4)")
 
     @property
     def draft_len(self) -> int:
@@ -85,9 +95,9 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_num_tokens"):
-            if getattr(self, name) < 1:
-                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, most in (("max_batch_size", MAX_BATCH_SIZE), ("max_num_tokens", MAX_NUM_TOKENS)):
+            if not 1 <= getattr(self, name) <= most:
+                raise EngineConfigError(f"{name} must be in [1, {most}], got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise EngineConfigError(f"attention_backend {self.attention_backend!r}: use auto, torch or triton")
         if self.max_seq_len is not None and self.max_seq_len < 2:

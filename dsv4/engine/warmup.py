@@ -19,17 +19,20 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int]]:
     of max_batch_size, and with MTP a verify + draft at the configured draft length (it follows the
     decode batch's first step, so its requests generate enough tokens to verify twice)."""
     cfg = engine.cfg
+    L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
     lanes = engine.num_lanes
-    chunk = min(cfg.max_num_tokens, engine.max_seq_len - 2)
+    chunk = max(1, min(cfg.max_num_tokens, L - 2))
     batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
-    steps = 2 + 2 * (engine.draft_len + 1) if engine.draft_len else 2
-    decode_prompt = max(1, min(4, engine.max_seq_len - steps - 1))
-    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, 2),
-             ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, 2)]
+    decode_out = min(2, L - 1)
+    decode_prompt = max(1, min(4, L - decode_out))
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk)),
+             ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out)]
     if engine.draft_len:
+        steps = 2 + 2 * (engine.draft_len + 1)  # enough to verify twice, where max_seq_len leaves room
+        prompt = max(1, min(4, L - steps))
         paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",
-                      [decode_prompt] * batch, steps))
+                      [prompt] * batch, min(steps, L - prompt)))
     return paths
 
 
