@@ -205,8 +205,32 @@ class ModelConfig:
         return d
 
 
+CSA_RATIO = 4  # the compress ratio of compressed sparse attention (overlapping windows, a lightning indexer)
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What a layer kind needs, derived once from its compress ratio; the model, the checkpoint schema and the
+    cache read it here instead of testing the ratio again.
+
+    coff: compressor rows per token (CSA's windows overlap, so each token emits two halves; HCA's one; 0 for
+    SWA, which has no compressor). has_indexer: a lightning indexer picks the entries each query sees (CSA)."""
+
+    kind: str
+    ratio: int
+    coff: int
+    has_indexer: bool
+
+
+def kind_spec(ratio: int) -> KindSpec:
+    if ratio == 0:
+        return KindSpec(SWA, 0, 0, False)
+    csa = ratio == CSA_RATIO
+    return KindSpec(CSA if csa else HCA, ratio, 2 if csa else 1, csa)
+
+
 def kind_of_ratio(ratio: int) -> str:
-    return SWA if ratio == 0 else CSA if ratio == 4 else HCA
+    return kind_spec(ratio).kind
 
 
 # ------------------------------------------------------------------------------------------------

@@ -84,3 +84,15 @@ def test_unknown_hf_layer_type():
     d["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     with pytest.raises(ConfigError, match="full_attention"):
         from_config_dict(d)
+
+
+def test_layer_kinds_are_specified_once():
+    from dsv4.config import kind_spec
+
+    assert [(s.kind, s.coff, s.has_indexer) for s in map(kind_spec, (0, 4, 128))] == [
+        (SWA, 0, False), (CSA, 2, True), (HCA, 1, False)]
+    cfg = get_preset("tiny")
+    from dsv4.cache.layout import CacheLayout
+
+    layout = CacheLayout(cfg, 0, 128)
+    assert layout.csa_layers == tuple(i for i, r in enumerate(cfg.compress_ratios) if kind_spec(r).has_indexer)

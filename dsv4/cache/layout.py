@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4.config import ModelConfig
+from dsv4.config import ModelConfig, kind_spec
 
 
 class CacheConfigError(ValueError):
@@ -82,9 +82,9 @@ class CacheLayout:
             raise KeyError(f"compress ratio {r} is not used by this model (ratios {self.cfg.ratios})")
 
     def coff(self, r: int) -> int:
-        """2 for the overlapping CSA compressor (ratio 4), 1 for HCA."""
+        """2 for the overlapping CSA compressor (ratio 4), 1 for HCA (``config.kind_spec``)."""
         self._check_ratio(r)
-        return 2 if r == 4 else 1
+        return kind_spec(r).coff
 
     def state_cap(self, r: int) -> int:
         """Rows of one request's compressor-state ring: coff*r + max_draft_len (R4)."""
@@ -112,7 +112,7 @@ class CacheLayout:
     @property
     def csa_layers(self) -> tuple[int, ...]:
         """Layers with the overlapping ratio-4 compressor and a lightning indexer."""
-        return tuple(i for i, x in enumerate(self.cfg.compress_ratios) if x == 4)
+        return tuple(i for i, x in enumerate(self.cfg.compress_ratios) if kind_spec(x).has_indexer)
 
     def ratio_of(self, layer: int) -> int:
         return self.cfg.compress_ratios[layer]

@@ -21,6 +21,7 @@ import torch
 
 from dsv4.cache import ops
 from dsv4.cache.layout import CacheConfigError, CacheLayout
+from dsv4.config import CSA_RATIO
 from dsv4.kernels.fp8 import FP8, dequantize_fp8, num_scale_blocks, quantize_fp8
 
 KV_DTYPES = ("auto", "bf16", "fp32", "fp16", "fp64", "fp8")
@@ -63,7 +64,7 @@ def _slot_bytes(layout: CacheLayout, dtype: torch.dtype, kv_dtype: str = "auto")
         r = layout.ratio_of(l)
         total += layout.state_cap(r) * 2 * layout.coff(r) * D * 4
     for _ in layout.csa_layers:
-        total += layout.state_cap(4) * 2 * 2 * dI * 4
+        total += layout.state_cap(CSA_RATIO) * 2 * layout.coff(CSA_RATIO) * dI * 4
     return total
 
 
@@ -74,7 +75,7 @@ def _block_bytes(layout: CacheLayout, dtype: torch.dtype, kv_dtype: str = "auto"
     for l in layout.all_compressed_layers:
         total += layout.entries_per_block(layout.ratio_of(l)) * kv_row_bytes(D, dtype, kv_dtype)
     for _ in layout.csa_layers:
-        total += layout.entries_per_block(4) * dI * dtype.itemsize
+        total += layout.entries_per_block(CSA_RATIO) * dI * dtype.itemsize
     return total
 
 
@@ -107,8 +108,10 @@ class CacheStorage:
             self.entry_scale[l] = scales(blocks * layout.entries_per_block(r))
         self.index_state, self.index_keys = {}, {}
         for l in layout.csa_layers:
-            self.index_state[l] = zeros(slots * layout.state_cap(4), 2 * 2 * dI, torch.float32)
-            self.index_keys[l] = zeros(blocks * layout.entries_per_block(4), dI, dtype)
+            # the indexer's own compressor pools like the main one of its (CSA) layer
+            self.index_state[l] = zeros(slots * layout.state_cap(CSA_RATIO), 2 * layout.coff(CSA_RATIO) * dI,
+                                        torch.float32)
+            self.index_keys[l] = zeros(blocks * layout.entries_per_block(CSA_RATIO), dI, dtype)
 
     def tensors(self):
         """Every tensor of the cache (for tests and memory accounting)."""

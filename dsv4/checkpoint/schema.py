@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, kind_spec
 
 Shape = tuple[int, ...]
 
@@ -35,14 +35,14 @@ def _attention(cfg: ModelConfig, ratio: int) -> dict[str, Shape]:
         "attn.attn_sink": (H,),
     }
     if ratio > 0:
-        c = 2 if ratio == 4 else 1  # the ratio-4 compressor overlaps windows: two halves per entry
+        c = kind_spec(ratio).coff  # the ratio-4 compressor overlaps windows: two halves per entry
         s.update({
             "attn.compressor.wkv.weight": (c * D, d),
             "attn.compressor.wgate.weight": (c * D, d),
             "attn.compressor.ape": (ratio, c * D),
             "attn.compressor.norm.weight": (D,),
         })
-    if ratio == 4:
+    if kind_spec(ratio).has_indexer:
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         s.update({
             "attn.indexer.wq_b.weight": (nI * dI, q),

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, kind_spec
 from ..kernels import project as project_kernel
 from .ops import (apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, rope_cos_sin, sink_attention,
                   topk_mask)
@@ -103,7 +103,7 @@ class Compressor(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
-        self.coff = 2 if ratio == 4 else 1
+        self.coff = kind_spec(ratio).coff
         self.wkv = nn.Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
         self.wgate = nn.Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
         self.ape = nn.Parameter(torch.empty(ratio, self.coff * head_dim, dtype=torch.float32))
@@ -181,7 +181,7 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.compressor = Compressor(cfg, compress_ratio, D) if compress_ratio > 0 else None
-        self.indexer = Indexer(cfg) if compress_ratio == 4 else None
+        self.indexer = Indexer(cfg) if kind_spec(compress_ratio).has_indexer else None
         self.fused_input: FusedLinears | None = None
         self.init_tables()
 
