@@ -30,21 +30,29 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP draft tokens per step (0: off); random weights, so"
+                                                         " drafts are rejected: the cost of a verify step")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     cfg = get_preset(a.preset)
     llm = LLM(a.preset, device="cuda", dtype="bf16", max_batch_size=max(a.batch), max_num_tokens=8192,
-              max_seq_len=a.prompt_len + 2 * a.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2},
-              enforce_eager=a.eager)
+              max_seq_len=a.prompt_len + 3 * a.steps + 16 + a.mtp, kv_cache_config={"free_gpu_memory_fraction": 0.2},
+              enforce_eager=a.eager,
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": a.mtp} if a.mtp else None)
     eng = llm.engine
     rng = random.Random(0)
     for B in a.batch:
         for _ in range(B):
             eng.add_request([rng.randrange(2, cfg.vocab_size) for _ in range(a.prompt_len)],
-                            SamplingParams(max_tokens=2 * a.steps + 8, ignore_eos=True))
+                            SamplingParams(max_tokens=3 * a.steps + 8, ignore_eos=True))
         for _ in range(3):
             eng.step()
         sync()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            eng.step()
+        sync()
+        wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 eng.step()
@@ -61,8 +69,10 @@ def main():
                  f"{100 * e.device_time_total / max(total_us, 1e-9):.1f}%"] for e in kernels[:a.top]]
         text = table(["kernel", "launches / step", "us / step", "share"], rows)
         head = (f"{count / a.steps:.0f} kernel launches per step, {total_us / a.steps / 1e3:.2f} ms of kernel time"
-                f" per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'})")
-        report(f"Decode step kernels, {a.preset}, bf16, batch {B}", head + "\n\n" + text, a.append)
+                f" per step, {wall_ms:.2f} ms wall per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'},"
+                f" MTP {a.mtp or 'off'})")
+        report(f"Decode step kernels, {a.preset}, bf16, batch {B}, MTP {a.mtp or 'off'}", head + "\n\n" + text,
+               a.append)
         report(f"Device ops of one eager decode step by source line, batch {B}", sources, a.append)
         report(f"Host time of a graphed decode step by function (cProfile), batch {B}", host, a.append)
 

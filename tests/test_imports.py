@@ -133,3 +133,32 @@ def test_environment_switches_live_in_env():
     assert all(f"``{n}" in env.__doc__ for n in env.ALL)
     mentioned = {n for path in MODULES.values() for n in re.findall(r"DSV4_[A-Z0-9_]+", open(path).read())}
     assert mentioned <= set(env.ALL), f"unregistered switches: {mentioned - set(env.ALL)}"
+
+
+def test_one_kernel_dispatch_policy():
+    """Every kernel-or-twin choice goes through ``kernels.on`` / ``kernels.enabled`` (one switch, which training
+    turns off): no module tests ``HAVE_TRITON`` at run time, which only says whether Triton was importable."""
+    import re
+
+    for m, path in MODULES.items():
+        if m == "dsv4.kernels":
+            continue
+        for i, line in enumerate(open(path, encoding="utf-8"), 1):
+            code = line.split("#")[0]
+            if "HAVE_TRITON" in code:
+                assert re.match(r"\s*(from \. import HAVE_TRITON|if HAVE_TRITON:)", code), f"{m}:{i}: {line.strip()}"
+
+
+def test_the_switch_turns_every_kernel_off(monkeypatch):
+    import torch
+
+    import dsv4.kernels as K
+
+    monkeypatch.setattr(K, "_enabled", True)  # as on a GPU machine
+    x = torch.zeros(2)
+    assert K.enabled() and not K.on(x)  # a CPU tensor takes the twin either way
+    monkeypatch.setattr(K, "HAVE_TRITON", True)
+    K.set_enabled(False)
+    assert not K.enabled() and not K.on(x)
+    K.set_enabled(True)
+    assert K.enabled()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import env
+from .. import env, kernels
 from ..kernels.indexer import select_top_rows
 from ..kernels.sparse_attention import sparse_sink_attention
 from ..model.attention import Compressor
@@ -64,7 +64,8 @@ class CudaBackend(CachedBackend):
     def supports(storage) -> bool:
         if env.flag(STATIC_GRAPHS_ON_CPU_ENV):  # test switch: the kernel path's torch twins on CPU
             return True
-        return storage.device.type == "cuda"  # bf16, fp32 and FP8 caches (the kernel dequantises FP8 rows)
+        # bf16, fp32 and FP8 caches (the kernel dequantises FP8 rows), unless the kernels are switched off
+        return storage.device.type == "cuda" and kernels.enabled()
 
     def window(self, layer_id: int, kv: torch.Tensor):
         self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps

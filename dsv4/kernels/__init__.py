@@ -1,4 +1,9 @@
-"""GPU kernels (Triton). Each has a plain-torch twin it is tested against (tests/test_kernels_cuda.py)."""
+"""GPU kernels (Triton). Each has a plain-torch twin beside it, tested against it (tests/test_kernel*_cuda.py).
+
+One dispatch policy for all of them: a kernel runs when ``on(tensor)`` holds (Triton is present, the kernels
+are not switched off, the tensor is on a CUDA device) and the kernel's own case fits (each module's
+``usable``-style check: shapes, dtypes, strides); otherwise its caller runs the torch twin. ``HAVE_TRITON``
+only says whether the kernels could be defined at import."""
 
 try:  # Triton ships with CUDA builds of torch; the CPU machines have none
     import triton  # noqa: F401
@@ -7,20 +12,22 @@ try:  # Triton ships with CUDA builds of torch; the CPU machines have none
 except ImportError:  # pragma: no cover - depends on the machine
     HAVE_TRITON = False
 
-_MODULES = ("expand", "gate", "indexer", "mhc", "moe", "norm", "pool", "project", "rope", "sparse_attention", "swiglu")
+_enabled = HAVE_TRITON
 
 
-def set_enabled(enabled: bool) -> None:
-    """Switch every kernel off (or back on, where Triton exists): each kernel's callers test its module's
-    ``HAVE_TRITON``, so with it off they run the torch twins. Training uses this (the kernels have no backward);
-    call it before building a model (the MoE reads the switch when it is built)."""
-    import importlib
-    import sys
-
-    on = bool(enabled) and _TRITON_FOUND
-    sys.modules[__name__].HAVE_TRITON = on
-    for name in _MODULES:
-        importlib.import_module(f"{__name__}.{name}").HAVE_TRITON = on
+def enabled() -> bool:
+    """Whether kernels may run at all (Triton present and not switched off)."""
+    return _enabled
 
 
-_TRITON_FOUND = HAVE_TRITON
+def on(*tensors) -> bool:
+    """Whether kernels run on these tensors: ``enabled()`` and every one on a CUDA device."""
+    return _enabled and all(t.is_cuda for t in tensors)
+
+
+def set_enabled(flag: bool) -> None:
+    """Switch every kernel off (or back on, where Triton exists); their callers then run the torch twins.
+    Training uses this (the kernels have no backward). Call it before building a model: the MoE reads it when
+    it is built."""
+    global _enabled
+    _enabled = bool(flag) and HAVE_TRITON

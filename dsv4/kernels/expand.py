@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 
 BLOCK_T = 16   # tokens per program
 BLOCK_E = 128  # entry columns per program
@@ -125,7 +125,7 @@ if HAVE_TRITON:
 
 
 def usable(rows: torch.Tensor) -> bool:
-    return HAVE_TRITON and rows.is_cuda
+    return on(rows)
 
 
 def expand(layout, shape, rows: torch.Tensor, num_slots: int) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_heads: int,
@@ -140,7 +140,7 @@ if HAVE_TRITON:
 
 
 def usable(q: torch.Tensor) -> bool:
-    return HAVE_TRITON and q.is_cuda
+    return on(q)
 
 
 def index_scores_cuda(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,

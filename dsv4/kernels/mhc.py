@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 
 BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs per token)
 BLOCK_D = 512  # channels per collapse / write-back program
@@ -84,7 +84,7 @@ if HAVE_TRITON:
 
 def usable(X: torch.Tensor) -> bool:
     n = X.shape[1]
-    return HAVE_TRITON and X.is_cuda and n >= 2 and (n & (n - 1)) == 0
+    return on(X) and n >= 2 and (n & (n - 1)) == 0
 
 
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,

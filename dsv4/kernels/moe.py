@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 from .swiglu import swiglu_to
 
 BLOCK_M = 16
@@ -39,7 +39,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     Expert e's pairs fill rows seg_start[e] .. (padded to a multiple of block_m), in pair order. On CUDA a
     small batch takes one Triton program (``_align_kernel``); ``align_torch`` is its twin."""
     P = ids.numel()
-    if ids.is_cuda and HAVE_TRITON and P and _pow2(P) * _pow2(num_experts) <= ALIGN_KERNEL_MAX:
+    if on(ids) and P and _pow2(P) * _pow2(num_experts) <= ALIGN_KERNEL_MAX:
         return _align(ids, num_experts, block_m)
     return align_torch(ids, num_experts, block_m)
 
@@ -221,14 +221,14 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         block_expert = torch.where(block_expert == E, -1, block_expert)  # the other ranks' pairs: skipped
     m_pad = rows.shape[0]
     x = x.contiguous()
-    gemm = _grouped_gemm if (HAVE_TRITON and x.is_cuda) else _grouped_gemm_torch
+    gemm = _grouped_gemm if on(x) else _grouped_gemm_torch
     g = gemm(x, rows, w1, block_expert, True, m_pad)  # [m_pad, I]
     u = gemm(x, rows, w3, block_expert, True, m_pad)
     w_sorted = torch.zeros(m_pad, dtype=torch.float32, device=x.device)
     w_sorted[pair_pos] = weights.flatten().float()
     h = swiglu_to(g, u, limit, w_sorted, x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad)  # [m_pad, d]
-    if HAVE_TRITON and x.is_cuda:  # one kernel; the lines below are its twin
+    if on(x):  # one kernel; the lines below are its twin
         return _combine(y, pair_pos, keep, N, k)
     y = y[pair_pos]
     if keep is not None:  # skipped blocks were never written (torch.empty): select, never multiply

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, enabled
 from .rope import rows_by_head
 
 if HAVE_TRITON:
@@ -76,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """The fused kernel's case: x [N, ..., D] with D a power of two, cos/sin [N, R/2] fp32."""
     D = x.shape[-1] if x.dim() else 0
-    return (HAVE_TRITON and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.numel() > 0
+    return (enabled() and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.numel() > 0
             and D >= 2 and D & (D - 1) == 0 and 2 * cos.shape[-1] <= D and cos.dtype == torch.float32)
 
 

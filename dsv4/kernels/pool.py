@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 
 BLOCK_C = 64
 
@@ -61,4 +61,4 @@ def pool_rows(state: torch.Tensor, step_rows: torch.Tensor, index: torch.Tensor,
 
 
 def usable(state: torch.Tensor) -> bool:
-    return HAVE_TRITON and state.is_cuda and state.dtype == torch.float32 and state.stride(-1) == 1
+    return on(state) and state.dtype == torch.float32 and state.stride(-1) == 1

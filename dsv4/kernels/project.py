@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 
 BLOCK = 512
 
@@ -27,7 +27,7 @@ if HAVE_TRITON:
 
 
 def usable(x: torch.Tensor) -> bool:
-    return HAVE_TRITON and x.is_cuda
+    return on(x)
 
 
 def project_rows(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, enabled
 
 if HAVE_TRITON:
     import triton
@@ -39,7 +39,7 @@ if HAVE_TRITON:
 def usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """The kernel's case: CUDA (or Triton's interpreter), x [N, ..., D] and cos/sin [N, R/2] with an even
     nope width, so pairs are (even, odd) channels."""
-    if not HAVE_TRITON or cos.dim() != 2 or x.dim() < 2 or x.shape[0] != cos.shape[0] or x.numel() == 0:
+    if not enabled() or cos.dim() != 2 or x.dim() < 2 or x.shape[0] != cos.shape[0] or x.numel() == 0:
         return False  # (an empty x, e.g. a step that closes no compressor window, takes the torch lines)
     return (x.shape[-1] - 2 * cos.shape[-1]) % 2 == 0 and cos.dtype == torch.float32
 

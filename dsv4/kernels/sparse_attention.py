@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 from .fp8 import FP8_BLOCK, dequantize_fp8
 
 
@@ -310,6 +310,6 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
 
 def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]."""
-    if not HAVE_TRITON or not q.is_cuda:
+    if not on(q):
         return sparse_sink_attention_ref(q, sources, sink, scale)
     return _sparse_sink_attention(q, sources, sink, scale)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, on
 
 BLOCK = 1024
 
@@ -58,7 +58,7 @@ def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, row_weight: to
               dtype: torch.dtype) -> torch.Tensor:
     """``swiglu`` times an optional per-row weight [R], rounded once to ``dtype``: [R, I]. On CUDA one Triton
     kernel does it (``_swiglu_to_kernel``); the lines below are its twin."""
-    if gate.is_cuda and HAVE_TRITON and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+    if on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
         return _swiglu_to_kernel(gate, up, limit, row_weight, dtype)
     h = swiglu(gate, up, limit)
     if row_weight is not None:

@@ -7,15 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from .fused import FusedLinears, project
 from .ops import swiglu_to
-
-
-def _have_triton() -> bool:
-    from ..kernels import HAVE_TRITON
-
-    return HAVE_TRITON
 
 
 class Gate(nn.Module):
@@ -30,7 +25,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (weights [N, k] fp32, expert ids [N, k])."""
-        if x.is_cuda and _have_triton():  # two kernels on the GPU (dsv4.kernels.gate); the lines below are their twin
+        if kernels.on(x):  # two kernels on the GPU (dsv4.kernels.gate); the lines below are their twin
             from ..kernels.gate import route
 
             return route(x, self.weight, None if self.is_hash else self.bias, self.tid2eid if self.is_hash else None,
@@ -59,7 +54,7 @@ class Experts(nn.Module):
         super().__init__()
         E, I, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size
         self.limit = cfg.swiglu_limit
-        self.grouped_kernel = _have_triton()
+        self.grouped_kernel = kernels.enabled()
         self.w1 = nn.Parameter(torch.empty(E, I, d))
         self.w2 = nn.Parameter(torch.empty(E, d, I))
         self.w3 = nn.Parameter(torch.empty(E, I, d))

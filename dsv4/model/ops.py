@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..kernels import norm as norm_kernel
 from ..kernels import rope as rope_kernel
 from ..kernels.indexer import index_scores  # noqa: F401  (the twins live beside their kernels)
@@ -19,7 +20,7 @@ from ..kernels.swiglu import swiglu, swiglu_to  # noqa: F401
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, result in x's dtype. ``weight=None`` is the unweighted variant."""
     if x.is_cuda:  # one kernel instead of six; the lines below are its twin
-        if norm_kernel.HAVE_TRITON:
+        if kernels.on(x):
             return norm_kernel.rms_norm(x, weight, eps)
         w = weight.float() if weight is not None else None
         return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)

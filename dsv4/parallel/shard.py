@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from ..model.model import DeepseekV4
-from ..model.moe import _have_triton
 from ..model.ops import swiglu_to
 from .comm import Collectives
 from .mapping import ParallelMapping
@@ -110,7 +110,7 @@ class ParallelExperts(nn.Module):
         self.limit = cfg.swiglu_limit
         self.first_expert, self.num_local = first_expert, num_local
         self.comm, self.gather_tokens = comm, gather_tokens
-        self.grouped_kernel = _have_triton()
+        self.grouped_kernel = kernels.enabled()
         self.w1 = nn.Parameter(torch.empty(num_local, inter_local, d))
         self.w2 = nn.Parameter(torch.empty(num_local, d, inter_local))
         self.w3 = nn.Parameter(torch.empty(num_local, inter_local, d))
