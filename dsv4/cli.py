@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 _DTYPES = ("fp32", "bf16")
@@ -22,6 +23,10 @@ def _init_random(args) -> int:
     except ConfigError as e:
         print(f"dsv4 init-random: {e}", file=sys.stderr)
         return 2
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"dsv4 init-random: --out {args.out} is a file; give a directory (it is created if missing)",
+              file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     init_random_checkpoint(cfg, args.out, seed=args.seed, dtype=dtype, naming=args.naming)
     tok = write_byte_tokenizer(args.out, cfg.vocab_size) if cfg.vocab_size <= 1024 else None
@@ -31,7 +36,13 @@ def _init_random(args) -> int:
 
 
 def _parse_ids(text: str) -> list[int]:
-    return [int(t) for t in text.replace(",", " ").split()]
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: give token ids as integers, e.g. '1 2 3'") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty: give at least one token id, e.g. '1 2 3'")
+    return ids
 
 
 def _generate(args) -> int:
@@ -40,22 +51,27 @@ def _generate(args) -> int:
     from .engine.engine import RequestError
 
     spec = {"decoding_type": "MTP", "num_nextn_predict_layers": args.mtp} if args.mtp else None
+    try:  # the request's own settings first: they fail before any weight is read
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    except ValueError as e:
+        print(f"dsv4 generate: {str(e).replace('SamplingParams.', '--').replace('_', '-')}", file=sys.stderr)
+        return 2
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=1,
                   max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len, speculative_config=spec)
     except (EngineConfigError, FileNotFoundError, ValueError) as e:
         print(f"dsv4 generate: {e}", file=sys.stderr)
         return 2
-    if args.prompt_ids is not None:
-        prompt = _parse_ids(args.prompt_ids)
+    if ids is not None:
+        prompt = ids
     elif llm.tokenizer is None:
         print("dsv4 generate: this model has no tokenizer.json; pass --prompt-ids '1 2 3' instead of --prompt",
               file=sys.stderr)
         return 2
     else:
         prompt = args.prompt
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     shown = 0
     try:
         for out in llm.generate_stream(prompt, sp):
@@ -85,7 +101,8 @@ def _generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv4", description=__doc__)
-    p.add_argument("--log_level", default="warning")
+    p.add_argument("--log_level", default="warning", type=str.lower,
+                   choices=("debug", "info", "warning", "error", "critical"))
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("init-random", help="write a deterministic random checkpoint")

@@ -399,8 +399,14 @@ def load_config(checkpoint_dir: str) -> ModelConfig:
     if not os.path.isfile(path):
         raise ConfigError(f"{checkpoint_dir!r} has no config.json; pass a checkpoint directory or a preset name"
                           f" ({', '.join(PRESET_NAMES)})")
-    with open(path) as f:
-        return from_config_dict(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object of settings, got {type(raw).__name__}")
+    return from_config_dict(raw)
 
 
 # ------------------------------------------------------------------------------------------------

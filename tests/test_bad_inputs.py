@@ -185,3 +185,155 @@ def test_a_wrongly_typed_config_key_is_named(key, value, words):
     assert key in raw
     with pytest.raises(ConfigError, match=words):
         from_config_dict({**raw, key: value})
+
+
+# ---- the dsv4 command (issue 18, item 5) -----------------------------------------------------------------
+GEN = ["generate", "--model", "tiny", "--prompt-ids", "1 2"]
+# (argv, the error's words): exit 2, one line naming what to change, no traceback, nothing generated
+BAD_CLI = [
+    (GEN + ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (GEN + ["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (GEN + ["--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
+    (["generate", "--model", "tiny", "--prompt-ids", "a b"], "--prompt-ids 'a b': give token ids as integers"),
+    (["generate", "--model", "tiny", "--prompt-ids", ""], "--prompt-ids is empty"),
+    (GEN + ["--device", "gpu"], "device 'gpu': use cpu or cuda"),
+    (["--log_level", "loud"] + GEN, "invalid choice: 'loud'"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_CLI, ids=[w for _, w in BAD_CLI])
+def test_dsv4_command_refuses_with_a_message(argv, words, capsys):
+    import re
+
+    from dsv4.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2 and re.search(words, err) and "Traceback" not in err and out == ""
+
+
+def test_dsv4_command_refuses_cuda_without_a_gpu(capsys):
+    import torch
+
+    from dsv4.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(GEN + ["--device", "cuda"]) == 2
+    assert "has no CUDA or sees no GPU" in capsys.readouterr().err
+
+
+def test_init_random_refuses_a_file_as_its_directory(tmp_path, capsys):
+    from dsv4.cli import main
+
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    assert main(["init-random", "--out", str(f)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err and f.read_text() == "x"
+
+
+# ---- bad checkpoints through dsv4-bench (issue 18, items 1 and 8) -----------------------------------------
+def _tensors(d):
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))
+
+
+def _save(d, sd):
+    from safetensors.torch import save_file
+
+    save_file(sd, str(d / "model.safetensors"))
+
+
+def _first_matrix(sd):
+    return sorted(k for k in sd if sd[k].dim() == 2)[0]
+
+
+def _truncate(d):
+    p = d / "model.safetensors"
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _drop(d):
+    sd = _tensors(d)
+    del sd[sorted(sd)[3]]
+    _save(d, sd)
+
+
+def _reshape(d):
+    sd = _tensors(d)
+    k = _first_matrix(sd)
+    sd[k] = sd[k][:, :-1].contiguous()
+    _save(d, sd)
+
+
+def _to_int(d):
+    import torch
+
+    sd = _tensors(d)
+    k = _first_matrix(sd)
+    sd[k] = sd[k].to(torch.int32)
+    _save(d, sd)
+
+
+def _pickle_only(d):
+    import torch
+
+    sd = _tensors(d)
+    (d / "model.safetensors").unlink()
+    torch.save(sd, str(d / "pytorch_model.bin"))
+
+
+def _shard_elsewhere(d):
+    import json
+
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
+
+
+def _config(text):
+    return lambda d: (d / "config.json").write_text(text)
+
+
+# (how the checkpoint is broken, the error's words)
+BAD_CHECKPOINTS = [
+    ("truncated", _truncate, "not a readable safetensors file"),
+    ("garbage", lambda d: (d / "model.safetensors").write_bytes(b"\0garbage" * 8), "not a readable safetensors"),
+    ("missing tensor", _drop, "missing tensor"),
+    ("wrong shape", _reshape, "expected \\["),
+    ("integer weights", _to_int, "torch.int32; it must be floating point"),
+    ("pickle only", _pickle_only, "holds only pickle weight files"),
+    ("shard outside", _shard_elsewhere, "which is not a file of"),
+    ("config not json", _config("{not json"), "config.json is not valid JSON"),
+    ("config not an object", _config("[1, 2]"), "must hold a JSON object"),
+    ("config not utf-8", lambda d: (d / "config.json").write_bytes(b"\xff\xfe{"), "not valid JSON"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    from dsv4.checkpoint.init_random import init_random_checkpoint
+
+    d = tmp_path_factory.mktemp("ckpt") / "tiny"
+    init_random_checkpoint("tiny", str(d), seed=0)
+    ds = d.parent / "ds.jsonl"
+    ds.write_text('{"task_id": 0, "input_ids": [1, 2, 3], "output_tokens": 2}\n')
+    return d, ds
+
+
+@pytest.mark.parametrize("name,breaks,words", BAD_CHECKPOINTS, ids=[n for n, *_ in BAD_CHECKPOINTS])
+def test_a_bad_checkpoint_is_a_message(good_checkpoint, tmp_path, capsys, name, breaks, words):
+    import re
+    import shutil
+
+    from dsv4.bench import cli
+
+    base, ds = good_checkpoint
+    d = tmp_path / "broken"
+    shutil.copytree(base, d)
+    breaks(d)
+    rc = cli.main(["--model", str(d), "throughput", "--dataset", str(ds)])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(words, err) and "Traceback" not in err, err

@@ -206,6 +206,7 @@ def _throughput(args) -> int:
     import torch
 
     from ..cache.layout import CacheConfigError
+    from ..checkpoint.schema import CheckpointError
     from ..checkpoint.tokenizer import load_tokenizer
     from ..config import ConfigError
     from ..engine.config import EngineConfigError
@@ -269,7 +270,8 @@ def _throughput(args) -> int:
     llm = None
     try:
         llm = LLM(path, config=settings.config, warmup=True)  # the settings validated once, in options.resolve
-    except (EngineConfigError, CacheConfigError, ConfigError, WarmupError, FileNotFoundError, RankError) as e:
+    except (EngineConfigError, CacheConfigError, ConfigError, CheckpointError, WarmupError, FileNotFoundError,
+            RankError) as e:
         raise UsageError(f"cannot build the engine: {e}") from None
     finally:
         engine_log.removeFilter(held)

@@ -41,9 +41,19 @@ def _safetensors_files(checkpoint_dir: str) -> list[str]:
         raise CheckpointError(f"checkpoint directory {checkpoint_dir!r} does not exist")
     index = os.path.join(checkpoint_dir, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        paths = [os.path.join(checkpoint_dir, s) for s in shards]
+        try:
+            with open(index, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a shard index ({type(e).__name__}: {e}); it needs a"
+                                  ' "weight_map" of tensor name -> shard file') from None
+        root = os.path.realpath(checkpoint_dir)
+        paths = []
+        for s in shards:
+            p = os.path.realpath(os.path.join(checkpoint_dir, str(s)))
+            if os.path.dirname(p) != root:  # a shard elsewhere on disk is never read
+                raise CheckpointError(f"{INDEX_FILE} lists shard {s!r}, which is not a file of {checkpoint_dir!r}")
+            paths.append(p)
         for p in paths:
             if not os.path.isfile(p):
                 raise CheckpointError(f"{INDEX_FILE} lists shard {os.path.basename(p)!r},"
@@ -87,6 +97,9 @@ def _decode(name: str, raw: torch.Tensor, scale: torch.Tensor | None, dtype: tor
         raise CheckpointError(f"FP8 tensor {name!r} has no scale (expected a '.scale' or '_scale_inv' tensor)")
     if is_fp4_packed(raw) and dtype.is_floating_point:
         raise CheckpointError(f"tensor {name!r} is {raw.dtype} (packed FP4?) but has no '.scale' tensor")
+    if raw.dtype.is_floating_point != dtype.is_floating_point:
+        raise CheckpointError(f"tensor {name!r} is {raw.dtype}; it must be "
+                              + ("floating point" if dtype.is_floating_point else "integer (expert ids)"))
     return raw.to(dtype)
 
 
@@ -96,7 +109,10 @@ class _Reader:
     def __init__(self, paths: list[str], stack: contextlib.ExitStack):
         self.where: dict[str, object] = {}
         for path in paths:
-            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            try:
+                f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            except Exception as e:  # safetensors' own error type (truncated, garbage, not safetensors)
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
             for name in f.keys():
                 if name in self.where:
                     raise CheckpointError(f"tensor {name!r} appears in more than one safetensors file")

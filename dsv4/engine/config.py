@@ -72,6 +72,23 @@ class MoeConfig:
     backend: str = "AUTO"  # TensorRT-LLM names (TRTLLM, CUTLASS, ...) map to this engine's one MoE path
 
 
+def _check_device(device) -> None:
+    """``cpu`` or ``cuda[:N]`` with a GPU this PyTorch can use; anything else is a setting to change."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EngineConfigError(f"device {device!r}: use cpu or cuda (cuda:N for one GPU of several)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise EngineConfigError(f"device {device!r}: dsv4 runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineConfigError(f"device {device!r}: this PyTorch build has no CUDA or sees no GPU"
+                                f" (torch {torch.__version__}); use device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise EngineConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
@@ -98,6 +115,7 @@ class EngineConfig:
         for name, most in (("max_batch_size", MAX_BATCH_SIZE), ("max_num_tokens", MAX_NUM_TOKENS)):
             if not 1 <= getattr(self, name) <= most:
                 raise EngineConfigError(f"{name} must be in [1, {most}], got {getattr(self, name)}")
+        _check_device(self.device)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise EngineConfigError(f"attention_backend {self.attention_backend!r}: use auto, torch or triton")
         if self.max_seq_len is not None and self.max_seq_len < 2:
