@@ -16,8 +16,9 @@ from typing import Iterator, Sequence
 
 from .builtin import resolve_model
 from .checkpoint.tokenizer import load_tokenizer
-from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
+from .config import is_preset
 from .engine.build import build_engine
+from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
 from .engine.engine import RequestError
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.resolved import dtype_name, resolve, resolve_dtype
@@ -103,7 +104,7 @@ class LLM:
         else:
             from .parallel.driver import RankSetup, start_ranks
 
-            setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) else model, r, self.mapping,
+            setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) and not is_preset(model) else model, r, self.mapping,
                               self.model.has_mtp)
             self.engine = start_ranks(self._group, setup, self.model, self.tokenizer)
         self.warmup_paths = run_warmup(self.engine) if warmup else []

@@ -337,3 +337,66 @@ def test_a_bad_checkpoint_is_a_message(good_checkpoint, tmp_path, capsys, name, 
     rc = cli.main(["--model", str(d), "throughput", "--dataset", str(ds)])
     err = capsys.readouterr().err
     assert rc == 2 and re.search(words, err) and "Traceback" not in err, err
+
+
+# ---- dsv4-bench's files and flags (issue 18, items 5 and 8) ----------------------------------------------
+OK_LINE = b'{"task_id": 0, "input_ids": [1, 2, 3], "output_tokens": 2}\n'
+# (files to write in the working directory, arguments after --model tiny, the error's words)
+BAD_BENCH = [
+    ({"ds.jsonl": OK_LINE + b"\xff\xfe\n"}, ["throughput", "--dataset", "ds.jsonl"],
+     "ds.jsonl line 2: not UTF-8 text"),
+    ({"ds.jsonl": b'{"a":' * 50000 + b"1" + b"}" * 50000 + b"\n"}, ["throughput", "--dataset", "ds.jsonl"],
+     "line 1: JSON nested too deeply"),
+    ({"ds.jsonl": OK_LINE, "c.yml": b"max_batch_size: 4\n# \xff\n"},
+     ["throughput", "--dataset", "ds.jsonl", "--config", "c.yml"], "is not UTF-8 text"),
+    ({"ds.jsonl": OK_LINE, "afile": b""}, ["--workspace", "afile", "throughput", "--dataset", "ds.jsonl"],
+     "--workspace 'afile' is a file"),
+    ({"ds.jsonl": OK_LINE}, ["throughput", "--dataset", "ds.jsonl", "--report_json", "."],
+     "--report_json '.' is a directory"),
+    ({}, ["prepare-dataset", "--stdout", "token-norm-dist", "--num-requests", "2", "--input-mean", "nan",
+          "--output-mean", "4"], "--input_mean nan: give a finite number"),
+    ({}, ["prepare-dataset", "--stdout", "token-norm-dist", "--num-requests", "2", "--input-mean", "4",
+          "--output-mean", "inf"], "--output_mean inf: give a finite number"),
+    ({}, ["prepare-dataset", "--stdout", "token-norm-dist", "--num-requests", "2", "--input-mean", "4",
+          "--output-mean", "4", "--vocab-size", "0"], "vocabulary size must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("files,argv,words", BAD_BENCH, ids=[w for *_, w in BAD_BENCH])
+def test_bench_refuses_with_a_message(tmp_path, monkeypatch, capsys, files, argv, words):
+    from dsv4.bench import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    rc = cli.main(["--model", "tiny", *argv])
+    out, err = capsys.readouterr()
+    assert rc == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_full_disk_under_the_iteration_log_is_a_message(tmp_path, capsys):
+    import os
+
+    from dsv4.bench import cli
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this machine")
+    ds = tmp_path / "ds.jsonl"
+    ds.write_bytes(OK_LINE)
+    rc = cli.main(["--model", "tiny", "throughput", "--dataset", str(ds), "--iteration_log", "/dev/full",
+                   "--no_progress"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "cannot write --iteration_log '/dev/full': No space left" in err
+    assert "Traceback" not in err and "Total output throughput" in out  # the run's report still stands
+
+
+def test_a_directory_named_like_a_preset_does_not_replace_it(tmp_path, monkeypatch):
+    from dsv4.config import get_preset
+    from dsv4.model.loader import model_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    assert model_config("tiny") == get_preset("tiny")
+    with pytest.raises(Exception, match="config.json has no"):
+        model_config("./tiny")  # spelled as a path, it is the directory

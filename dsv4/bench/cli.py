@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -134,10 +135,10 @@ def _model_kind(path: str) -> str:
 
     if any(builtin_path(n) == path for n in BUILTIN_MODELS):
         return "built-in checkpoint (trained)"
+    if is_preset(path):  # a preset's bare name is the preset, whatever the working directory holds
+        return "built-in preset, random weights"
     if os.path.isdir(path):
         return "checkpoint directory"
-    if is_preset(path):
-        return "built-in preset, random weights"
     raise UsageError(f"{path!r} is neither a checkpoint directory nor a preset name (tiny, tiny-r128, flash-L4-E32"
                      ", ...); give --model_path")
 
@@ -161,7 +162,11 @@ def _write_dataset(args) -> int:
     to_stdout = args.kind_stdout or args.pd_stdout
     if output and to_stdout:
         raise UsageError("give --output PATH or --stdout, not both")
-    vocab = args.kind_vocab or args.pd_vocab
+    for flag, v in (("--input_mean", args.input_mean), ("--output_mean", args.output_mean),
+                    ("--input_stdev", args.input_stdev), ("--output_stdev", args.output_stdev)):
+        if not math.isfinite(v):
+            raise UsageError(f"{flag} {v}: give a finite number")
+    vocab = args.kind_vocab if args.kind_vocab is not None else args.pd_vocab  # 0 is refused, not ignored
     if vocab is None:
         from ..config import get_preset, load_config
 
@@ -195,11 +200,19 @@ def _run(llm, reqs, args, run_benchmark):
         except OSError as e:
             raise UsageError(f"cannot write --iteration_log {args.iteration_log!r}: {e.strerror or e}") from None
     try:
-        return run_benchmark(llm, reqs, concurrency=args.concurrency, warmup=args.warmup, iteration_log=ilog,
-                             progress=not args.no_progress)
+        result = run_benchmark(llm, reqs, concurrency=args.concurrency, warmup=args.warmup, iteration_log=ilog,
+                               progress=not args.no_progress)
+    except OSError as e:  # the iteration log's disk filled up or went away mid-run
+        if ilog is None or e.filename not in (None, args.iteration_log):
+            raise
+        raise UsageError(f"cannot write --iteration_log {args.iteration_log!r}: {e.strerror or e}") from None
     finally:
         if ilog is not None:
-            ilog.close()
+            try:
+                ilog.close()  # the last lines are written here: a full disk shows now
+            except OSError as e:
+                args.log_error = f"cannot write --iteration_log {args.iteration_log!r}: {e.strerror or e}"
+    return result
 
 
 def _throughput(args) -> int:
@@ -235,8 +248,15 @@ def _throughput(args) -> int:
     kind = _model_kind(path)
     model = args.model or path
     if args.workspace:
-        os.makedirs(args.workspace, exist_ok=True)
+        if os.path.exists(args.workspace) and not os.path.isdir(args.workspace):
+            raise UsageError(f"--workspace {args.workspace!r} is a file; give a directory")
+        try:
+            os.makedirs(args.workspace, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create --workspace {args.workspace!r}: {e.strerror or e}") from None
     for flag, out in (("--report_json", args.report_json), ("--iteration_log", args.iteration_log)):
+        if out and os.path.isdir(out):  # refused now, not after the whole run
+            raise UsageError(f"{flag} {out!r} is a directory; give a file path")
         if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise UsageError(f"{flag} {out!r}: the directory {os.path.dirname(os.path.abspath(out))!r} does not"
                              " exist")
@@ -300,6 +320,9 @@ def _throughput(args) -> int:
             write_json(rep, args.report_json)
         except OSError as e:
             raise UsageError(f"cannot write --report_json {args.report_json!r}: {e.strerror or e}") from None
+    if getattr(args, "log_error", None):  # the report stands; the iteration log is incomplete
+        _err(args.log_error)
+        return 2
     failed = rep["requests"]["num_failed"]
     if failed:
         _err(f"{failed} of {len(reqs)} requests failed (listed in the report above)")

@@ -44,6 +44,8 @@ def parse_line(text: str, line: int, where: str = "dataset") -> DatasetRequest:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{where} line {line}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DatasetError(f"{where} line {line}: JSON nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise DatasetError(f"{where} line {line}: expected a JSON object, got {type(obj).__name__}")
     ids, prompt = obj.get("input_ids"), obj.get("prompt")
@@ -68,10 +70,17 @@ def parse_line(text: str, line: int, where: str = "dataset") -> DatasetRequest:
 
 def read_dataset(path: str) -> list[DatasetRequest]:
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        with open(path, "rb") as f:
+            raw = f.read().split(b"\n")
     except OSError as e:
         raise DatasetError(f"cannot read the dataset {path!r}: {e.strerror or e}") from None
+    lines = []
+    for i, b in enumerate(raw):
+        try:
+            lines.append(b.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path} line {i + 1}: not UTF-8 text (byte {b[e.start]:#04x} at column"
+                               f" {e.start + 1})") from None
     reqs = [parse_line(text, i + 1, where=path) for i, text in enumerate(lines) if text.strip()]
     if not reqs:
         raise DatasetError(f"the dataset {path!r} has no requests")

@@ -41,6 +41,9 @@ def load_yaml(path: str) -> dict:
             text = f.read()
     except OSError as e:
         raise BenchOptionsError(f"cannot read --config {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise BenchOptionsError(f"--config {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset"
+                                f" {e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from ..config import is_preset
+
 
 def _byte_symbols() -> list[str]:
     """The printable stand-in character of each byte, as byte-level BPE tokenizers define them."""
@@ -37,7 +39,7 @@ def write_byte_tokenizer(out_dir: str, vocab_size: int) -> str | None:
 def load_tokenizer(checkpoint_dir: str):
     """The checkpoint's tokenizer.json as a ``tokenizers.Tokenizer``, or None when it has none."""
     path = os.path.join(checkpoint_dir, "tokenizer.json")
-    if not os.path.isdir(checkpoint_dir) or not os.path.isfile(path):
+    if is_preset(checkpoint_dir) or not os.path.isdir(checkpoint_dir) or not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
 

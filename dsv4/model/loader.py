@@ -33,10 +33,10 @@ def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
 def model_config(checkpoint_dir: str) -> ModelConfig:
     """The config of a checkpoint directory, built-in checkpoint or preset, without reading any weights."""
     checkpoint_dir = resolve_model(checkpoint_dir)
+    if is_preset(checkpoint_dir):  # a preset's bare name is the preset (a directory of that name: ./tiny)
+        return get_preset(checkpoint_dir)
     if os.path.isdir(checkpoint_dir):
         return load_config(checkpoint_dir)
-    if is_preset(checkpoint_dir):
-        return get_preset(checkpoint_dir)
     raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
 
 
@@ -48,7 +48,7 @@ def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
     slices the rest of its share from what it read (``dsv4.parallel.shard``). A built-in name (``mini``) reads
     the checkpoint shipped in the package."""
     checkpoint_dir = resolve_model(checkpoint_dir)
-    if os.path.isdir(checkpoint_dir):
+    if os.path.isdir(checkpoint_dir) and not is_preset(checkpoint_dir):  # a preset's bare name is the preset
         cfg = load_config(checkpoint_dir)
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp,
                                       experts=experts)
