@@ -284,6 +284,27 @@ def test_read_transformers_saved_file(tiny, tiny_sd, hf_model, tmp_path):
     assert_same(sd, {k: v for k, v in tiny_sd.items() if not k.startswith("mtp.")})
 
 
+def test_read_what_transformers_save_pretrained_writes(tiny, tiny_sd, hf_model, tmp_path):
+    """The installed transformers' own save_pretrained (its layout and its config.json)."""
+    hf_model.load_state_dict({k: v for k, v in model_to_hf(tiny_sd).items() if not k.startswith("mtp.")})
+    hf_model.save_pretrained(str(tmp_path))
+    cfg, sd, has_mtp = load_checkpoint(str(tmp_path))
+    assert cfg == tiny and not has_mtp
+    assert_same(sd, {k: v for k, v in tiny_sd.items() if not k.startswith("mtp.")})
+
+
+@pytest.mark.parametrize("version", ["5.23"])
+def test_read_what_newer_transformers_wrote(tiny, tiny_sd, version):
+    """A checkpoint transformers 5.23's save_pretrained wrote (tools/make_transformers_fixture.py, from the same
+    seed-0 weights): DeepSeek's module names under ``model.``, unfused experts, a transformers config.json."""
+    d = os.path.join(os.path.dirname(__file__), "fixtures", f"transformers-{version}-tiny")
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        assert detect_naming(f.keys()) == "hf-deepseek"
+    cfg, sd, has_mtp = load_checkpoint(d)
+    assert cfg == tiny and not has_mtp
+    assert_same(sd, {k: v for k, v in tiny_sd.items() if not k.startswith("mtp.")})
+
+
 # ================================================================================================
 # io.py
 # ================================================================================================

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig, load_config
-from .names import (detect_naming, deepseek_to_model, hf_items_to_deepseek, hf_to_deepseek_name,
-                    is_fused_hf_expert, model_to_deepseek, model_to_hf, split_expert_key)
+from .names import (detect_naming, deepseek_to_model, hf_items_to_deepseek,
+                    is_fused_hf_expert, model_to_deepseek, model_to_hf, split_expert_key, to_deepseek_name)
 from .quant import FP8_BLOCK, dequant_fp4, dequant_fp8_block, is_fp4_packed, quant_fp4, quant_fp8_block
 from .schema import CheckpointError, tensor_dtype, validate_state_dict
 
@@ -141,8 +141,8 @@ class _Reader:
             raw = self._get(name, rows).to(device)
             scale = self.scales.get(name)
             scale = None if scale is None else self._get(scale, rows).to(device)
-            ds_name = hf_to_deepseek_name(name) if naming == "hf" else name
-            yield name, _decode(name, raw, scale, tensor_dtype(ds_name, dtype))
+            ds_name = to_deepseek_name(name, naming)
+            yield (name if naming == "hf" else ds_name), _decode(name, raw, scale, tensor_dtype(ds_name, dtype))
 
 
 def _other_expert(name: str, n_experts: int, experts: range) -> bool:
@@ -175,7 +175,7 @@ def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = 
         naming = detect_naming(names)
         has_mtp = _resolve_mtp(cfg, any(n.startswith(_MTP) for n in names), with_mtp)
         names = [n for n in names if (has_mtp or not n.startswith(_MTP))
-                 and not (experts is not None and _other_expert(n, E, experts))]
+                 and not (experts is not None and _other_expert(to_deepseek_name(n, naming), E, experts))]
         items = reader.items(names, naming, dtype, device, experts)
         pairs = hf_items_to_deepseek(items) if naming == "hf" else items
         state_dict = deepseek_to_model(pairs, E, experts)

@@ -77,8 +77,40 @@ _HF_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|do
 
 
 def detect_naming(names: Iterable[str]) -> str:
-    """"hf" if any name is transformers-style (``model.*`` / ``lm_head.*``), else "deepseek"."""
-    return "hf" if any(n.startswith(("model.", "lm_head.")) for n in names) else "deepseek"
+    """"hf" for transformers' module names (``model.layers.N.self_attn.*``, ``lm_head.*``), "hf-deepseek" for
+    the layout newer transformers (5.2x) write: DeepSeek's module names under a ``model.`` prefix
+    (``model.layers.N.attn.*``, unfused ``ffn.experts.E.w1``), else "deepseek"."""
+    names = list(names)
+    if not any(n.startswith(("model.", "lm_head.")) for n in names):
+        return "deepseek"
+    return "hf-deepseek" if any(_HFDS_LAYER.match(n) for n in names) else "hf"
+
+
+_HFDS_LAYER = re.compile(r"^model\.layers\.\d+\.(attn|ffn)\.")  # transformers' own: self_attn. / mlp.
+_HFDS_TOP = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_base": "hc_head_base",
+             "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_scale": "hc_head_scale",
+             "lm_head.weight": "head.weight"}
+_HFDS_KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$")
+
+
+def hf_deepseek_to_deepseek_name(name: str) -> str:
+    """A name of the "hf-deepseek" layout -> DeepSeek's: the ``model.`` prefix dropped, and the few modules
+    transformers renamed (``embed_tokens``, ``hc_head.hc_*``, the attention's ``norm``, which DeepSeek calls
+    ``kv_norm``) named back."""
+    if name in _HFDS_TOP:
+        return _HFDS_TOP[name]
+    name = name[len("model."):] if name.startswith("model.") else name
+    return _HFDS_KV_NORM.sub(r"\1.kv_norm.weight", name)
+
+
+def to_deepseek_name(name: str, naming: str) -> str:
+    """A file's tensor name in ``naming`` -> DeepSeek's (routed experts of "hf" stay fused: see
+    ``hf_items_to_deepseek``)."""
+    if naming == "hf":
+        return hf_to_deepseek_name(name)
+    if naming == "hf-deepseek":
+        return hf_deepseek_to_deepseek_name(name)
+    return name
 
 
 # ------------------------------------------------------------------------------------------------
