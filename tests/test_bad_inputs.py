@@ -400,3 +400,60 @@ def test_a_directory_named_like_a_preset_does_not_replace_it(tmp_path, monkeypat
     assert model_config("tiny") == get_preset("tiny")
     with pytest.raises(Exception, match="config.json has no"):
         model_config("./tiny")  # spelled as a path, it is the directory
+
+
+# (settings, the error's words): settings inside the YAML sections
+BAD_SECTIONS = [
+    ({"kv_cache_config": {"max_tokens": -5}}, "kv_cache_config.max_tokens must be >= 1"),
+    ({"kv_cache_config": {"max_gpu_memory_bytes": 0}}, "kv_cache_config.max_gpu_memory_bytes must be >= 1"),
+    ({"cuda_graph_config": {"batch_sizes": [0, 2]}}, "cuda_graph_config.batch_sizes must be a non-empty list"),
+    ({"cuda_graph_config": {"batch_sizes": []}}, "cuda_graph_config.batch_sizes must be a non-empty list"),
+    ({"cuda_graph_config": {"max_batch_size": -1}}, "cuda_graph_config.max_batch_size must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("settings,words", BAD_SECTIONS, ids=[w for _, w in BAD_SECTIONS])
+def test_bad_sections_are_refused(settings, words):
+    from dsv4.engine.config import EngineConfig, from_dict
+
+    with pytest.raises(EngineConfigError, match=words):
+        from_dict(EngineConfig, settings)
+
+
+def test_a_closed_pipe_stops_prepare_dataset_quietly():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "dsv4.bench.cli", "--model", "tiny", "prepare-dataset", "--stdout",
+                          "token-norm-dist", "--num-requests", "50000", "--input-mean", "50", "--output-mean", "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().startswith(b'{"task_id": 0')
+    p.stdout.close()  # as `| head -1` does
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
+def test_ctrl_c_during_the_run_prints_a_partial_report(tmp_path, monkeypatch, capsys):
+    from dsv4.bench import cli
+    from dsv4.engine.engine import LLMEngine
+
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text("".join(f'{{"task_id": {i}, "input_ids": [1, 2, {i + 3}], "output_tokens": 2}}\n'
+                          for i in range(6)))
+    real, calls = LLMEngine.step, {"n": 0}
+
+    def step(self):
+        if any(rid.startswith("bench_") for rid in self.requests):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    rc = cli.main(["--model", "tiny", "throughput", "--dataset", str(ds), "--concurrency", "2", "--warmup", "0",
+                   "--no_progress"])
+    out, err = capsys.readouterr()
+    finished = int(err.split("covers the ")[1].split()[0])
+    assert rc == 130 and 0 < finished < 6 and "Traceback" not in err
+    assert "(completed / failed):" in out and f"{finished} / {6 - finished}" in out
+    assert "interrupted (SIGINT) before it finished" in out

@@ -320,6 +320,9 @@ def _throughput(args) -> int:
             write_json(rep, args.report_json)
         except OSError as e:
             raise UsageError(f"cannot write --report_json {args.report_json!r}: {e.strerror or e}") from None
+    if result.interrupted:
+        _err(f"interrupted: the report covers the {sum(r.ok for r in result.records)} requests that finished")
+        return 130
     if getattr(args, "log_error", None):  # the report stands; the iteration log is incomplete
         _err(args.log_error)
         return 2
@@ -339,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         _err(str(e))
         return 2
+    except KeyboardInterrupt:  # before the timed run (loading, warmup): nothing to report
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (``--stdout | head``): stop quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

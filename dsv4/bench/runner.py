@@ -57,6 +57,7 @@ class RunResult:
     num_preemptions: int
     spec: dict | None  # draft acceptance over the timed run (None without MTP)
     num_warmup: int
+    interrupted: bool = False  # SIGINT stopped the timed run: the records hold what finished before it
 
 
 def _spec_counts(engine) -> dict:
@@ -168,10 +169,18 @@ def run_benchmark(llm, requests: list[DatasetRequest], *, concurrency: int = -1,
 
         bar = tqdm(total=len(requests), desc="requests", unit="req", dynamic_ncols=True)
     start = time.perf_counter()
+    interrupted = False
     try:
         _drive(engine, requests, records, concurrency, prefix="bench_",
                on_finish=(lambda: bar.update(1)) if bar is not None else None, iteration_log=iteration_log,
                t0=start)
+    except KeyboardInterrupt:  # Ctrl-C: keep what finished, abort the rest, report both
+        interrupted = True
+        for rid in [rid for rid in engine.requests if rid.startswith("bench_")]:
+            engine.abort_request(rid)
+        for rec in records:
+            if rec.finish is None and rec.error is None:
+                rec.error = "interrupted (SIGINT) before it finished"
     finally:
         if bar is not None:
             bar.close()
@@ -181,4 +190,4 @@ def run_benchmark(llm, requests: list[DatasetRequest], *, concurrency: int = -1,
                      num_steps=stats_after["num_steps"] - stats_before["num_steps"],
                      num_preemptions=stats_after["num_preemptions"] - stats_before["num_preemptions"],
                      spec=_spec_delta(spec_before, _spec_counts(engine)) if engine.draft_len else None,
-                     num_warmup=max(warmup, 0))
+                     num_warmup=max(warmup, 0), interrupted=interrupted)

@@ -30,6 +30,10 @@ class KvCacheConfig:
             raise EngineConfigError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1]")
         if self.tokens_per_block <= 0:
             raise EngineConfigError("kv_cache_config.tokens_per_block must be > 0")
+        for name in ("max_tokens", "max_gpu_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise EngineConfigError(f"kv_cache_config.{name} must be >= 1 (or left out), got {v}")
 
 
 MAX_DRAFT_LEN = 16
@@ -65,6 +69,15 @@ class CudaGraphConfig:
     enable_padding: bool = False
     batch_sizes: list[int] | None = None
     max_batch_size: int = 0
+
+    def __post_init__(self):
+        if self.batch_sizes is not None and (not self.batch_sizes or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.batch_sizes)):
+            raise EngineConfigError(f"cuda_graph_config.batch_sizes must be a non-empty list of integers >= 1,"
+                                    f" got {self.batch_sizes!r}")
+        if self.max_batch_size < 0:
+            raise EngineConfigError(f"cuda_graph_config.max_batch_size must be >= 0 (0: max_batch_size), got"
+                                    f" {self.max_batch_size}")
 
 
 @dataclass(frozen=True)
