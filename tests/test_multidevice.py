@@ -187,6 +187,27 @@ def test_a_rank_failing_in_a_step_stops_every_rank(ckpt, prompts, monkeypatch):
     llm.shutdown()  # nothing left to stop; must not raise
 
 
+@pytest.mark.parametrize("when", ["between steps", "during a step"])
+def test_a_killed_rank_is_the_one_blamed(ckpt, prompts, when):
+    """SIGTERM to rank 1: rank 0's collective fails with a connection error of its own, but the error names
+    rank 1 and its exit code (issue 18, item 6; during a step rank 0 used to be blamed)."""
+    import signal
+    import threading
+
+    llm = LLM(ckpt, tensor_parallel_size=2, warmup=False, **KW)
+    victim = llm._group.procs[0]
+    if when == "between steps":
+        victim.send_signal(signal.SIGTERM)
+        victim.wait(timeout=30)
+    else:
+        threading.Timer(0.3, victim.send_signal, (signal.SIGTERM,)).start()
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 failed: the rank's process exited with code -15") as ei:
+        for _ in range(50):  # until the signal lands
+            llm.generate([p * 8 for p in prompts], SP8)
+    assert ei.value.rank == 1 and time.monotonic() - t0 < 20 and _gone(ei.value.pids)
+
+
 @pytest.mark.parametrize("settings, match", [
     ({"tensor_parallel_size": 3}, "must divide the attention heads"),
     ({"tensor_parallel_size": 2, "enable_attention_dp": True}, "enable_attention_dp needs"),

@@ -279,6 +279,8 @@ class RankGroup:
         if _is_comm_error(e):  # most likely a symptom: give the rank that failed first time to say so
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline and self._abort_message() is None:
+                if self._record_dead_rank():  # killed without a word: the driver sees its process end
+                    break
                 time.sleep(_POLL_S)
         try:
             first = self._store.compare_set(ABORT_KEY, "", f"{self.rank}\n{own}").decode()
@@ -305,6 +307,20 @@ class RankGroup:
 
         threading.Thread(target=watch, name="dsv4-rank-monitor", daemon=True).start()
 
+    def _record_dead_rank(self, store=None) -> bool:
+        """Driver: if a worker's process has ended with an error code, record it as the group's first failure
+        (unless one is recorded already); True when a dead rank was found."""
+        died = [r for r, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
+        if not died:
+            return False
+        p = self.procs[died[0] - 1]
+        try:
+            (store or self._store).compare_set(ABORT_KEY, "", f"{died[0]}\nthe rank's process exited with code"
+                                               f" {p.returncode} (killed, or crashed outside Python; see its output)")
+        except Exception:  # pragma: no cover - the store is going away with the group
+            pass
+        return True
+
     def _start_driver_monitor(self) -> None:
         """Watch for a failed rank while the driver may be blocked in a collective. A gloo collective fails by
         itself once the failed rank's sockets close; an NCCL one may not until its timeout, so the process
@@ -318,13 +334,9 @@ class RankGroup:
                     aborted = mon.check([ABORT_KEY])
                 except Exception:
                     return
-                died = [r for r, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
                 if self._stop.is_set():
                     return
-                if died and not aborted:  # killed without a word (OOM killer, signal): say who
-                    p = self.procs[died[0] - 1]
-                    mon.compare_set(ABORT_KEY, "", f"{died[0]}\nthe rank's process exited with code {p.returncode}"
-                                    " (killed, or crashed outside Python; see its output)")
+                if not aborted and self._record_dead_rank(mon):  # killed without a word (OOM killer, signal)
                     aborted = True
                 if aborted:
                     if self.backend == "nccl":
