@@ -466,6 +466,12 @@ def is_preset(name: str) -> bool:
     return name in PRESETS or bool(_REDUCED.match(name))
 
 
+def is_checkpoint_dir(name: str) -> bool:
+    """Whether ``name`` names a checkpoint directory: a directory, unless it is a preset's bare name (the preset
+    wins whatever the working directory holds; ``./tiny`` names the directory)."""
+    return os.path.isdir(name) and not is_preset(name)
+
+
 def get_preset(name: str) -> ModelConfig:
     """``tiny`` (HCA ratio 16), ``tiny-r128``, ``flash``, ``pro``, or ``flash-L4-E32`` (reduced Flash)."""
     if name in PRESETS:

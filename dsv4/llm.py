@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 from .builtin import resolve_model
 from .checkpoint.tokenizer import load_tokenizer
-from .config import is_preset
+from .config import is_checkpoint_dir
 from .engine.build import build_engine
 from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_dict
 from .engine.engine import RequestError
@@ -104,7 +104,7 @@ class LLM:
         else:
             from .parallel.driver import RankSetup, start_ranks
 
-            setup = RankSetup(os.path.abspath(model) if os.path.isdir(model) and not is_preset(model) else model, r, self.mapping,
+            setup = RankSetup(os.path.abspath(model) if is_checkpoint_dir(model) else model, r, self.mapping,
                               self.model.has_mtp)
             self.engine = start_ranks(self._group, setup, self.model, self.tokenizer)
         self.warmup_paths = run_warmup(self.engine) if warmup else []
@@ -194,8 +194,7 @@ class LLM:
         failed step, an abandoned stream, a failed submit)."""
         for rid, _ in handles:
             if rid is not None:
-                self.engine.abort_request(rid)
-                self.engine.requests.pop(rid, None)
+                self.engine.abort_request(rid)  # drops it from the engine's table, finished or not
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
-"""Test-only drafters, set with ``proposer.rewrite_drafts(engine, fn)``: they replace the MTP's drafts so that both the accept
-and the reject branches of verification run, whatever the weights."""
+"""Test-only drafters, set with ``proposer.rewrite_drafts(engine, fn)``: they replace the MTP's drafts so that
+both the accept and the reject branches of verification run, whatever the weights."""
 
 from __future__ import annotations
 

@@ -129,16 +129,15 @@ def _model_path(args) -> str:
 
 
 def _model_kind(path: str) -> str:
-    from ..config import is_preset
-
     from ..builtin import BUILTIN_MODELS, builtin_path
+    from ..config import is_checkpoint_dir, is_preset
 
     if any(builtin_path(n) == path for n in BUILTIN_MODELS):
         return "built-in checkpoint (trained)"
-    if is_preset(path):  # a preset's bare name is the preset, whatever the working directory holds
-        return "built-in preset, random weights"
-    if os.path.isdir(path):
+    if is_checkpoint_dir(path):
         return "checkpoint directory"
+    if is_preset(path):
+        return "built-in preset, random weights"
     raise UsageError(f"{path!r} is neither a checkpoint directory nor a preset name (tiny, tiny-r128, flash-L4-E32"
                      ", ...); give --model_path")
 
@@ -193,7 +192,8 @@ def _write_dataset(args) -> int:
 # ---- throughput ------------------------------------------------------------------------------------------
 
 def _run(llm, reqs, args, run_benchmark):
-    ilog = None
+    """(the run's result, a message if the iteration log could not be completed)."""
+    ilog, log_error = None, None
     if args.iteration_log:
         try:
             ilog = open(args.iteration_log, "w", encoding="utf-8")
@@ -211,8 +211,8 @@ def _run(llm, reqs, args, run_benchmark):
             try:
                 ilog.close()  # the last lines are written here: a full disk shows now
             except OSError as e:
-                args.log_error = f"cannot write --iteration_log {args.iteration_log!r}: {e.strerror or e}"
-    return result
+                log_error = f"cannot write --iteration_log {args.iteration_log!r}: {e.strerror or e}"
+    return result, log_error
 
 
 def _throughput(args) -> int:
@@ -303,7 +303,7 @@ def _throughput(args) -> int:
         _note(n)
 
     try:
-        result = _run(llm, reqs, args, run_benchmark)
+        result, log_error = _run(llm, reqs, args, run_benchmark)
     except RankError as e:  # a rank of a multi-device run failed; every rank has been stopped
         _err(f"the run failed: {e}")
         return 1
@@ -323,8 +323,8 @@ def _throughput(args) -> int:
     if result.interrupted:
         _err(f"interrupted: the report covers the {sum(r.ok for r in result.records)} requests that finished")
         return 130
-    if getattr(args, "log_error", None):  # the report stands; the iteration log is incomplete
-        _err(args.log_error)
+    if log_error:  # the report stands; the iteration log is incomplete
+        _err(log_error)
         return 2
     failed = rep["requests"]["num_failed"]
     if failed:

@@ -2,7 +2,8 @@
 
 An index ``i`` of a read table addresses "storage rows first, then this step's rows": ``i < R`` (R =
 rows of the storage tensor) reads storage row ``i``, ``i >= R`` reads ``step_rows[i - R]``. Entries with
-``valid`` False read as zeros. The CUDA backend's kernels (``engine/cuda_backend.py``, ``kernels/``) read the same tables.
+``valid`` False read as zeros. The CUDA backend's kernels (``engine/cuda_backend.py``, ``kernels/``) read the
+same tables.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import is_preset
+from ..config import is_checkpoint_dir
 
 
 def _byte_symbols() -> list[str]:
@@ -39,7 +39,7 @@ def write_byte_tokenizer(out_dir: str, vocab_size: int) -> str | None:
 def load_tokenizer(checkpoint_dir: str):
     """The checkpoint's tokenizer.json as a ``tokenizers.Tokenizer``, or None when it has none."""
     path = os.path.join(checkpoint_dir, "tokenizer.json")
-    if is_preset(checkpoint_dir) or not os.path.isdir(checkpoint_dir) or not os.path.isfile(path):
+    if not is_checkpoint_dir(checkpoint_dir) or not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
 

@@ -228,9 +228,10 @@ class GraphRunner:
 
 
 def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphRunner | None:
-    """Give ``runner`` its GraphRunner for ``spec`` (the resolved config's) and prepare it: after the cache is sized, before warmup. Nothing when ``spec`` is None or the runner is not
-    on the kernel path. Multi-rank runs call this on every rank with the same spec, at the same point, so
-    the captures (and the collectives inside them) line up, largest bucket first."""
+    """Give ``runner`` its GraphRunner for ``spec`` (the resolved config's) and prepare it: after the cache is
+    sized, before warmup. Nothing when ``spec`` is None or the runner is not on the kernel path. Multi-rank
+    runs call this on every rank with the same spec, at the same point, so the captures (and the collectives
+    inside them) line up, largest bucket first."""
     if spec is None or not runner.use_kernels:
         return None
     runner.graphs = GraphRunner(runner.model, runner.storage, spec,

@@ -58,7 +58,7 @@ def choose_drafts(seqs: Sequence[ScheduledSeq], rows: Sequence[int], logits: tor
                   keep: dict) -> torch.Tensor:
     """Draft tokens [len(rows)] on the device from the MTP logits [len(rows), V] of batch rows ``rows``: greedy
     requests take the argmax, sampled ones draw from q (kept in ``keep[b]`` for verification)."""
-    out = greedy_tokens(logits) if len(rows) else torch.zeros(0, dtype=torch.long, device=logits.device)
+    out = greedy_tokens(logits)
     for i, b in enumerate(rows):
         req = seqs[b].request
         if not req.params.greedy:

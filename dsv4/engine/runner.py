@@ -178,8 +178,8 @@ class ModelRunner:
                    pick: Callable[[int, Callable[[], torch.Tensor]], Sequence[int]], graphed: bool = False) -> None:
         """MTP catch-up pass, then (if any lane drafts) draft passes 2..draft_len. After pass j,
         ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
-        logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1. ``graphed``: the plan's CUDA graphs (the target pass
-        of the same step replayed them too)."""
+        logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1.
+        ``graphed``: the plan's CUDA graphs (the target pass of the same step replayed them too)."""
         model = self.model
         next_ids = self._ids(list(inp.next_ids), plan.shape.tokens)
         if graphed:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..builtin import resolve_model
 from ..checkpoint.init_random import random_state_dict
 from ..checkpoint.io import read_state_dict
 from ..checkpoint.names import is_stacked_expert
-from ..config import ModelConfig, get_preset, is_preset, load_config
+from ..config import ModelConfig, get_preset, is_checkpoint_dir, is_preset, load_config
 from .model import DeepseekV4
 
 
@@ -33,10 +31,10 @@ def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
 def model_config(checkpoint_dir: str) -> ModelConfig:
     """The config of a checkpoint directory, built-in checkpoint or preset, without reading any weights."""
     checkpoint_dir = resolve_model(checkpoint_dir)
-    if is_preset(checkpoint_dir):  # a preset's bare name is the preset (a directory of that name: ./tiny)
-        return get_preset(checkpoint_dir)
-    if os.path.isdir(checkpoint_dir):
+    if is_checkpoint_dir(checkpoint_dir):
         return load_config(checkpoint_dir)
+    if is_preset(checkpoint_dir):
+        return get_preset(checkpoint_dir)
     raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
 
 
@@ -48,7 +46,7 @@ def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
     slices the rest of its share from what it read (``dsv4.parallel.shard``). A built-in name (``mini``) reads
     the checkpoint shipped in the package."""
     checkpoint_dir = resolve_model(checkpoint_dir)
-    if os.path.isdir(checkpoint_dir) and not is_preset(checkpoint_dir):  # a preset's bare name is the preset
+    if is_checkpoint_dir(checkpoint_dir):
         cfg = load_config(checkpoint_dir)
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp,
                                       experts=experts)
