@@ -35,6 +35,7 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.cache.plan import DraftTables
 from dsv4.engine.proposer import rewrite_drafts
+from dsv4.engine.spec import DeviceVerdict
 from dsv4.model.dense import DenseBackend
 
 from .drafters import oracle
@@ -136,13 +137,21 @@ class Run:
     stats: dict | None = None
     model: object = None
     partial_chunks: int = 0  # prefill chunks that did not reach the end of their prompt
+    device_verdicts: int = 0  # steps whose drafts were launched from acceptance still on the device
+    pending: list = field(default_factory=list)  # what ``capture`` saw in the step now running
+
+    def flush(self) -> None:
+        for record in self.pending:
+            record()
+        self.pending.clear()
     mixed_steps: int = 0  # steps that verified drafts and prefilled a chunk together
 
 
 def capture(engine, run: Run):
     """Wrap the runner's ``propose`` (the one place drafts are made): it receives the step's verified drafts
-    (``seqs[b].drafts``) and accepted counts and returns the MTP's new drafts; the ``choose`` callback it is
-    handed sees the MTP logits each draft is taken from."""
+    (``seqs[b].drafts``) and accepted counts (host ints, or a verdict still on the device) and returns the
+    MTP's new drafts; the ``choose`` callback it is handed sees the MTP logits each draft is taken from. What
+    it saw is recorded once the step has appended its tokens (``Run.flush``, after every step)."""
     real = engine.runner.propose
 
     def propose(seqs, plan, target, num_accepted, drafting, draft_len, choose):
@@ -154,22 +163,29 @@ def capture(engine, run: Run):
             return choose(rows, j, lg)
 
         drafts = real(seqs, plan, target, num_accepted, drafting, draft_len, choose_and_keep)
-        run.partial_chunks += sum(1 for s in seqs if not s.sample)
-        prefill = [C + s.num_new <= len(s.request.prompt_ids) for s, C in zip(seqs, plan.num_computed)]
-        run.mixed_steps += any(s.drafts for s in seqs) and any(prefill)
-        for b, s in enumerate(seqs):
-            req = s.request
-            if s.drafts:
-                run.verifies.append(Verify(req.request_id, plan.num_computed[b], tuple(s.drafts),
-                                           num_accepted[b] - 1))
-            if drafting[b]:
-                n = plan.num_computed[b] + num_accepted[b]
-                toks = tuple(req.tokens)
-                assert len(toks) == n + 1, (req.request_id, len(toks), n)
-                run.proposals.append(Proposal(req.request_id, toks, n, tuple(drafts[b]), tuple(logits[b])))
+        run.pending.append(lambda: _record(run, seqs, plan, num_accepted, drafting, drafts, logits))
         return drafts
 
     engine.runner.propose = propose
+
+
+def _record(run: Run, seqs, plan, num_accepted, drafting, drafts, logits) -> None:
+    if isinstance(num_accepted, DeviceVerdict):
+        num_accepted = num_accepted.read()[1]
+        run.device_verdicts += 1
+    run.partial_chunks += sum(1 for s in seqs if not s.sample)
+    prefill = [C + s.num_new <= len(s.request.prompt_ids) for s, C in zip(seqs, plan.num_computed)]
+    run.mixed_steps += any(s.drafts for s in seqs) and any(prefill)
+    for b, s in enumerate(seqs):
+        req = s.request
+        if s.drafts:
+            run.verifies.append(Verify(req.request_id, plan.num_computed[b], tuple(s.drafts),
+                                       num_accepted[b] - 1))
+        if drafting[b] and req.finish_reason is None:  # a request that ended at this step drafts for nothing
+            n = plan.num_computed[b] + num_accepted[b]
+            toks = tuple(req.tokens)
+            assert len(toks) == n + 1, (req.request_id, len(toks), n)
+            run.proposals.append(Proposal(req.request_id, toks, n, tuple(drafts[b]), tuple(logits[b])))
 
 
 def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, patches=(), **llm_kw) -> Run:
@@ -190,6 +206,7 @@ def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, p
         steps = 0
         while eng.has_unfinished_requests():
             eng.step()
+            run.flush()
             steps += 1
             if after_step is not None:
                 after_step(eng, steps)
@@ -342,6 +359,7 @@ DRAFTERS = ("mtp", "oracle")
 @pytest.mark.parametrize("k", DRAFT_LENS)
 def test_drafts_equal_dense_chained_drafts(runs, prompts, k, drafter):
     run = runs(k, drafter)
+    assert run.device_verdicts > 0  # drafts launched from acceptance on the device (greedy, one device)
     # every drafting request proposed k drafts at every step that ended at its newest token
     assert run.proposals and all(len(p.drafts) == k for p in run.proposals)
     if max(map(len, prompts)) > MAX_NUM_TOKENS:

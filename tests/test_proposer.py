@@ -5,13 +5,13 @@ layer (prompt lookup, as a block or n-gram drafter would) plugs in the same way 
 from __future__ import annotations
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.proposer import MtpProposer, Proposal, RewrittenProposer, rewrite_drafts
+from dsv4.engine.proposer import MtpProposer, Proposal, Proposer, RewrittenProposer, rewrite_drafts
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11], [40] * 20]
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-class PromptLookup:
+class PromptLookup(Proposer):
     """Drafts the k tokens that followed the newest token's last earlier occurrence (zeros when none)."""
 
     def __init__(self, draft_len: int):

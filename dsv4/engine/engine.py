@@ -26,7 +26,7 @@ from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
-from .spec import SpecStats, accept_greedy, accept_sampled
+from .spec import SpecStats, accept_greedy, accept_greedy_on_device, accept_sampled
 
 log = logging.getLogger("dsv4")
 
@@ -209,6 +209,8 @@ class LLMEngine:
         """Verify/sample the target's logits, MTP proposal. Returns accepted counts and emitted tokens. A
         request that ended while this step ran (a stop token read back from the overlapped step before)
         emits nothing."""
+        if mtp and self._verifies_on_device(seqs):
+            return self._run_on_device(seqs, plan, target)
         greedy = self._greedy_ids([lg if s.sample and s.request.params.greedy else None
                                    for s, lg in zip(seqs, target.logits)], target)
         accepted, emitted = [], []
@@ -218,16 +220,50 @@ class LLMEngine:
                 emitted.append([])
                 continue
             toks = accept_greedy(ids, list(s.drafts)) if ids is not None else self._verify_sampled(s, logits)
-            self.spec_stats.record(len(s.drafts), len(toks) - 1)
-            accepted.append(s.num_new - len(s.drafts) + len(toks) - 1)
-            emitted.append(s.request.append(toks))
+            self._accept(s, toks, accepted, emitted)
 
         if mtp:
             drafting = [s.sample and s.request.finish_reason is None for s in seqs]
-            for s, p in zip(seqs, self.proposer.propose(seqs, plan, target, accepted, drafting)):
-                if p is not None:
-                    s.request.drafts, s.request.draft_probs = list(p.tokens), p.probs
+            self._adopt(seqs, self.proposer.propose(seqs, plan, target, accepted, drafting))
         return accepted, emitted
+
+    def _verifies_on_device(self, seqs: list[ScheduledSeq]) -> bool:
+        """Acceptance on the device, drafts launched before the host reads it: a proposer (and runner) that
+        takes it, every sampling seq greedy (rejection sampling stays on the host) and live."""
+        return (self.proposer.drafts_from_device and any(s.sample for s in seqs)
+                and all(s.request.params.greedy and s.request.finish_reason is None for s in seqs if s.sample))
+
+    def _run_on_device(self, seqs: list[ScheduledSeq], plan, target: TargetOutput):
+        """The MTP step with one host read: greedy acceptance on the device, the proposer's passes launched
+        from it, then the step's argmax and accepted counts read back (queued before the passes, so the read
+        waits for nothing more than the drafts' own read did)."""
+        verdict = accept_greedy_on_device(seqs, target.all_rows())
+        proposals = self.proposer.propose(seqs, plan, target, verdict, [s.sample for s in seqs])
+        ids, rows = verdict.read()
+        accepted, emitted = [], []
+        for s, tgt, n in zip(seqs, ids, rows):
+            if not s.sample:
+                accepted.append(s.num_new)
+                emitted.append([])
+                continue
+            self._accept(s, accept_greedy(tgt, list(s.drafts)), accepted, emitted)
+            if accepted[-1] != n:
+                raise RuntimeError(f"request {s.request.request_id!r}: acceptance on the device kept {n} rows,"
+                                   f" the host's {accepted[-1]} (drafts {list(s.drafts)}, target {tgt})")
+        self._adopt(seqs, proposals)
+        return accepted, emitted
+
+    def _accept(self, s: ScheduledSeq, toks: list[int], accepted: list[int], emitted: list[list[int]]) -> None:
+        """Record a verified seq: ``toks`` its accepted drafts plus the target's token after them."""
+        self.spec_stats.record(len(s.drafts), len(toks) - 1)
+        accepted.append(s.num_new - len(s.drafts) + len(toks) - 1)
+        emitted.append(s.request.append(toks))
+
+    def _adopt(self, seqs: list[ScheduledSeq], proposals) -> None:
+        """The proposals become the drafts of the requests still running (after this step's tokens)."""
+        for s, p in zip(seqs, proposals):
+            if p is not None and s.request.finish_reason is None:
+                s.request.drafts, s.request.draft_probs = self.proposer.drafts(s.request, p), p.probs
 
     @staticmethod
     def _greedy_ids(logits: list[torch.Tensor | None], target: TargetOutput) -> list[list[int] | None]:

@@ -11,7 +11,7 @@ knows the answer part of the time) wrap a proposer; the engine has no hook for t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -28,23 +28,37 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
-class Proposer(Protocol):
+class Proposer:
+    """The interface (a base class with the defaults; ``propose`` is the one method to write).
+
+    ``drafts_from_device``: ``propose`` may be handed the step's acceptance still on the device (a
+    ``spec.DeviceVerdict``) before the host has read it or appended the step's tokens, so that drafting starts
+    without a host round trip; a proposer that reads the requests' tokens leaves it False and gets host counts
+    after the tokens are appended."""
+
     draft_len: int
+    drafts_from_device: bool = False
 
-    def propose(self, seqs: list[ScheduledSeq], plan, target, accepted: list[int],
-                drafting: list[bool]) -> list[Proposal | None]:
+    def propose(self, seqs: list[ScheduledSeq], plan, target, accepted, drafting: list[bool]) -> list[Proposal | None]:
         """The drafts of every seq with ``drafting`` set (None for the others), after this step's target pass
-        ``target`` and acceptance (``accepted[b]``: the rows of seq b that stay in the cache)."""
-        ...
+        ``target`` and acceptance (``accepted[b]``: the rows of seq b that stay in the cache, host ints or a
+        ``DeviceVerdict``)."""
+        raise NotImplementedError
+
+    def drafts(self, request, proposal: Proposal) -> list[int]:
+        """The drafts ``request`` carries into its next step; called once the step's tokens are appended."""
+        return list(proposal.tokens)
 
 
-class MtpProposer:
+class MtpProposer(Proposer):
     """Drafts from the MTP layer. The draft tokens of every pass stay on the device (greedy rows by argmax,
     sampled rows drawn on the device with their request's generator) and feed the next pass there; the host
-    reads all k of them once, after the last pass."""
+    reads all k of them once, after the last pass. It drafts from acceptance on the device when the runner
+    can (the single-device runner; the multi-rank driver sends host ints to its ranks)."""
 
     def __init__(self, runner, draft_len: int):
         self.runner, self.draft_len = runner, draft_len
+        self.drafts_from_device = runner.drafts_from_device
 
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
         probs: dict[int, list[torch.Tensor]] = {}
@@ -68,19 +82,21 @@ def choose_drafts(seqs: Sequence[ScheduledSeq], rows: Sequence[int], logits: tor
     return out
 
 
-class RewrittenProposer:
+class RewrittenProposer(Proposer):
     """For tests and benchmarks: ``inner``'s drafts, each rewritten by ``rewrite(request, drafts) -> drafts``
-    (e.g. replaced by the known answer part of the time, so that verification accepts and rejects at a chosen
-    rate whatever the weights). Sampled requests keep ``inner``'s q, so use it with greedy requests."""
+    once the step's tokens are appended (e.g. replaced by the known answer part of the time, so that
+    verification accepts and rejects at a chosen rate whatever the weights). Sampled requests keep ``inner``'s
+    q, so use it with greedy requests."""
 
     def __init__(self, inner: Proposer, rewrite):
         self.inner, self.rewrite = inner, rewrite
-        self.draft_len = inner.draft_len
+        self.draft_len, self.drafts_from_device = inner.draft_len, inner.drafts_from_device
 
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
-        out = self.inner.propose(seqs, plan, target, accepted, drafting)
-        return [None if p is None else Proposal(tuple(self.rewrite(s.request, list(p.tokens))), p.probs)
-                for s, p in zip(seqs, out)]
+        return self.inner.propose(seqs, plan, target, accepted, drafting)
+
+    def drafts(self, request, proposal: Proposal) -> list[int]:
+        return list(self.rewrite(request, self.inner.drafts(request, proposal)))
 
 
 def rewrite_drafts(engine, rewrite) -> None:

@@ -21,15 +21,17 @@ from .backend import CachedBackend
 from .cuda_backend import CudaBackend
 from .request import PENDING
 from .scheduler import ScheduledSeq
+from .spec import DeviceVerdict
 
 
 @dataclass(frozen=True)
 class DraftInputs:
-    """One batch's (or one attention-DP lane's) MTP inputs, from the verify results."""
+    """One batch's (or one attention-DP lane's) MTP inputs, from the verify results: host ints (what the
+    multi-rank driver sends), or device tensors when acceptance stayed on the device (``DeviceVerdict``)."""
 
-    next_ids: tuple[int, ...]  # per step token at position p: token p+1 after this step's emission (0 past it)
-    picks: tuple[int, ...]  # per request: the step row of its newest committed position
-    new_lens: tuple[int, ...]  # per request: committed length after acceptance
+    next_ids: tuple[int, ...] | torch.Tensor  # per step token at position p: token p+1 after this step's emission (0 past it)
+    picks: tuple[int, ...] | torch.Tensor  # per request: the step row of its newest committed position
+    new_lens: tuple[int, ...] | torch.Tensor  # per request: committed length after acceptance
     active: tuple[int, ...]  # batch rows that draft
 
 
@@ -64,6 +66,46 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
         start += s.num_new
     return DraftInputs(tuple(next_ids), tuple(picks), tuple(C + a for C, a in zip(num_computed, num_accepted)),
                        tuple(b for b in range(len(seqs)) if drafting[b]))
+
+
+def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], verdict: DeviceVerdict,
+                        drafting: Sequence[bool]) -> DraftInputs:
+    """``draft_inputs`` from a verdict still on the device. A row before a seq's verify rows takes the next
+    token of the request as the host knows it; verify row j takes the target's token there if j <= the
+    accepted drafts a (for j < a it equals the draft the next row checked; j == a is the bonus token), else 0."""
+    base, vrow = [], []  # per step row: the host's next token; its row in verdict.target_ids (-1: not a verify row)
+    seq_of, first_v, starts, r, start = [], [], [], 0, 0
+    for b, s in enumerate(seqs):
+        req, C = s.request, num_computed[b]
+        nv = verdict.rows_per_seq[b]
+        L = req.num_tokens
+        for i in range(s.num_new):
+            p = C + i
+            v = i - (s.num_new - nv)
+            base.append(req.token_at(p + 1) if v < 0 and p + 1 < L else 0)
+            vrow.append(r + v if v >= 0 else -1)
+            first_v.append(r)
+            seq_of.append(b)
+        r += nv
+        starts.append(start)
+        start += s.num_new
+    N, B = len(base), len(seqs)
+    dev = verdict.target_ids.device
+    t = to_device(base + vrow + first_v + seq_of + starts + list(num_computed), dev)
+    base_t, vrow_t, first_t, seq_t = t[:N], t[N:2 * N], t[2 * N:3 * N], t[3 * N:4 * N]
+    starts_t, C_t = t[4 * N:4 * N + B], t[4 * N + B:]
+    target = verdict.target_ids[vrow_t.clamp(min=0)] if verdict.target_ids.numel() else torch.zeros_like(base_t)
+    j = vrow_t - first_t  # the row's index among its seq's verify rows
+    next_ids = torch.where(vrow_t < 0, base_t, torch.where(j <= verdict.accepted_drafts[seq_t], target, 0))
+    rows = verdict.accepted_rows
+    return DraftInputs(next_ids, starts_t + rows - 1, C_t + rows, tuple(b for b in range(B) if drafting[b]))
+
+
+def draft_inputs_for(seqs, num_computed, accepted: Sequence[int] | DeviceVerdict, drafting) -> DraftInputs:
+    """The MTP inputs from host accepted counts or from a verdict on the device."""
+    if isinstance(accepted, DeviceVerdict):
+        return device_draft_inputs(seqs, num_computed, accepted, drafting)
+    return draft_inputs(seqs, num_computed, accepted, drafting)
 
 
 @dataclass(frozen=True)
@@ -106,6 +148,7 @@ class TargetOutput:
 
 class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
+    drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto"):
         self.model, self.storage, self.device = model, storage, torch.device(device)
@@ -146,6 +189,14 @@ class ModelRunner:
         """Token ids padded with 0 to ``length``, on the device (a copy that does not wait for it)."""
         return to_device(list(values) + [0] * (length - len(values)), self.device)
 
+    def _padded(self, values: Sequence[int] | torch.Tensor, length: int) -> torch.Tensor:
+        """``values`` (host ints or a device tensor) padded with 0 to ``length``, on the device."""
+        if not isinstance(values, torch.Tensor):
+            return self._ids(list(values), length)
+        out = torch.zeros(length, dtype=torch.long, device=self.device)
+        out[:values.shape[0]] = values
+        return out
+
     # ---- the passes on plain inputs (what every rank of a multi-rank run also calls) -----------------
     @torch.no_grad()
     def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False,
@@ -181,7 +232,7 @@ class ModelRunner:
         logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1.
         ``graphed``: the plan's CUDA graphs (the target pass of the same step replayed them too)."""
         model = self.model
-        next_ids = self._ids(list(inp.next_ids), plan.shape.tokens)
+        next_ids = self._padded(inp.next_ids, plan.shape.tokens)
         if graphed:
             X_mtp, mtp_logits = self.graphs.mtp(plan, next_ids)
         else:
@@ -189,8 +240,9 @@ class ModelRunner:
         if not any_active:
             return
         active = list(inp.active)
-        active_t = torch.tensor(active, dtype=torch.long, device=self.device)
-        rows = torch.tensor([inp.picks[b] for b in active], dtype=torch.long, device=self.device)
+        active_t = to_device(active, self.device)  # a plain copy here would wait for the target pass
+        rows = (inp.picks[active_t] if isinstance(inp.picks, torch.Tensor)
+                else to_device([inp.picks[b] for b in active], self.device))
         V = model.cfg.vocab_size
 
         def logits_of(Xs, all_logits, idx):
@@ -203,9 +255,7 @@ class ModelRunner:
         toks = pick(1, logits_of(X_mtp, mtp_logits if graphed else None, rows))
         zeros = torch.zeros(plan.shape.batch, dtype=torch.long, device=self.device) if draft_len > 1 else None
         b_pad = plan.shape.batch
-        new_lens = torch.zeros(b_pad, dtype=torch.long)
-        new_lens[:len(inp.new_lens)] = torch.tensor(inp.new_lens, dtype=torch.long)
-        new_lens = new_lens.to(self.device)
+        new_lens = self._padded(inp.new_lens, b_pad)
         X_prev = torch.zeros(b_pad, *X_mtp.shape[1:], dtype=X_mtp.dtype, device=self.device)
         X_prev[active_t] = X_mtp[rows]
         for j in range(2, draft_len + 1):
@@ -239,13 +289,14 @@ class ModelRunner:
         return TargetOutput(X, per_seq, logits)
 
     @torch.no_grad()
-    def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, num_accepted: list[int],
-                drafting: list[bool], draft_len: int,
+    def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,
+                num_accepted: list[int] | DeviceVerdict, drafting: list[bool], draft_len: int,
                 choose: Callable[[list[int], int, torch.Tensor], list[int]]) -> list[list[int]]:
-        """MTP drafts for every seq with ``drafting`` set. ``choose(seq_indices, step, logits [A, V]) -> tokens``
+        """MTP drafts for every seq with ``drafting`` set, after ``num_accepted`` rows of each seq's step were
+        accepted (host counts, or a verdict still on the device). ``choose(seq_indices, step, logits [A, V]) -> tokens``
         turns the MTP logits of those seqs into draft tokens on the device (argmax, or samples whose q the
         caller keeps); they feed the next pass there, and the host reads all passes' tokens once at the end."""
-        inp = draft_inputs(seqs, plan.num_computed, num_accepted, drafting)
+        inp = draft_inputs_for(seqs, plan.num_computed, num_accepted, drafting)
         drafts: list[list[int]] = [[] for _ in seqs]
         chosen: list[torch.Tensor] = []
 

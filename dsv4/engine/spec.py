@@ -10,10 +10,12 @@ are accepted sample the bonus from p_{k+1}. The emitted tokens are then distribu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from .sampler import probs_from_logits, sample
+from ..transfer import HostCopy, to_device
+from .sampler import greedy_tokens, probs_from_logits, sample
 from .sampling_params import SamplingParams
 
 
@@ -46,6 +48,59 @@ def accept_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: 
         return out
     out.append(int(sample(p[len(drafts)].unsqueeze(0), generator)))
     return out
+
+
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """Greedy verification of a step left on the device, so that the proposer drafts from it before the host
+    reads anything (one host read per MTP step instead of one after verify and one after the drafts).
+
+    ``accept_greedy`` on the host gives the same answer from the same argmax; the engine checks that it does.
+    """
+
+    target_ids: torch.Tensor  # [R] the target's argmax at every verify row, seqs in order
+    accepted_drafts: torch.Tensor  # [B] drafts each seq accepted (0 for a seq that samples nothing)
+    accepted_rows: torch.Tensor  # [B] rows of each seq's step that stay in the cache
+    rows_per_seq: tuple[int, ...]  # verify rows of each seq (0: samples nothing)
+    host: HostCopy  # target_ids then accepted_rows, on their way to the host
+
+    def read(self) -> tuple[list[list[int]], list[int]]:
+        """(each seq's target argmax rows, each seq's accepted rows) on the host; waits for the copy only."""
+        flat = self.host.tolist()
+        R = len(flat) - len(self.rows_per_seq)
+        ids, off = [], 0
+        for n in self.rows_per_seq:
+            ids.append(flat[off:off + n])
+            off += n
+        return ids, flat[R:]
+
+
+def accept_greedy_on_device(seqs: Sequence, logits: torch.Tensor) -> DeviceVerdict:
+    """``accept_greedy`` for every greedy seq of a step at once, on the device. ``logits`` [R, V]: the verify
+    rows of the seqs that sample (``len(drafts) + 1`` each), seqs in order. A seq's accepted drafts are the
+    index of its first verify row whose argmax differs from the draft that row checks; its last row checks
+    none (-1 never matches), so the count stops at its number of drafts."""
+    G = greedy_tokens(logits)
+    checks, seq_of, local, counts, fixed = [], [], [], [], []
+    for b, s in enumerate(seqs):
+        d = len(s.drafts) if s.sample else 0
+        n = d + 1 if s.sample else 0
+        checks += list(s.drafts[:d]) + [-1] * (n - d)
+        seq_of += [b] * n
+        local += range(n)
+        counts.append(n)
+        fixed.append(s.num_new - d)  # rows kept whatever the verdict: the step's inputs before the drafts
+    R, B = len(checks), len(seqs)
+    if R != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} verify rows of logits for seqs that verify {R}")
+    t = to_device(checks + seq_of + local + fixed, logits.device)
+    chk, seq, loc, kept = t[:R], t[R:2 * R], t[2 * R:3 * R], t[3 * R:]
+    first_miss = torch.where(G != chk, loc, R + 1)
+    a = torch.full((B,), R + 1, dtype=torch.long, device=logits.device)
+    a = a.scatter_reduce(0, seq, first_miss, "amin")
+    a = torch.where(a > R, 0, a)  # a seq without verify rows
+    rows = kept + a
+    return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows])))
 
 
 @dataclass

@@ -148,6 +148,7 @@ class DistributedRunner(LaneRunner):
     announces are host token ids, so the engine does not overlap steps on it (``supports_overlap``)."""
 
     supports_overlap = False
+    drafts_from_device = False  # acceptance is read on the host: the draft inputs are sent to the ranks
 
     def __init__(self, model, storage, device, attention_backend, group, mapping):
         super().__init__(model, storage, device, attention_backend)
