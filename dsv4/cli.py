@@ -1,5 +1,6 @@
-"""The ``dsv4`` command: ``init-random`` (a deterministic random checkpoint) and ``generate`` (for a person at
-a terminal). The benchmark lives in ``dsv4-bench``."""
+"""The ``dsv4`` command: ``init-random`` (a deterministic random checkpoint), ``generate`` (for a person at
+a terminal) and ``serve`` (an OpenAI-compatible HTTP server, ``dsv4.serve``). The benchmark lives in
+``dsv4-bench``."""
 
 from __future__ import annotations
 
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-seq-len", type=int, default=None)
     g.add_argument("--max-num-tokens", type=int, default=2048)
     g.set_defaults(fn=_generate)
+
+    from .serve.launch import add_parser as add_serve_parser  # light: the server's imports wait for its run
+
+    add_serve_parser(sub)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,172 @@
+"""One HTTP request in the engine: its choices (prompts x n), each an engine request, and what their tokens
+become (text with stop strings; for chat, reasoning / content / tool calls).
+
+``Job.events()`` yields each choice's events until every choice has ended; ``Job.close()`` aborts whatever has
+not (the client went away, a stop string matched, an error) so its cache is freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ..engine.sampling_params import SamplingParams
+from .detokenizer import OutputText
+from .loop import EngineLoop, Event, Sink
+from .parsers import ParsedToolCall, ReasoningParser, ToolCallParser
+from .protocol import ApiError
+
+
+@dataclass
+class Delta:
+    """What one event added to a choice."""
+
+    text: str = ""  # the raw text (completions) / the content (chat)
+    reasoning: str = ""
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    finish_reason: str | None = None  # set once, on the choice's last delta
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.reasoning or self.tool_calls or self.finish_reason)
+
+
+class Choice:
+    """One choice's output as it grows."""
+
+    def __init__(self, index: int, out: OutputText, reasoning: ReasoningParser | None = None,
+                 tools: ToolCallParser | None = None):
+        self.index = index
+        self.out = out
+        self.reasoning_parser = reasoning
+        self.tool_parser = tools
+        self.content = ""
+        self.reasoning = ""
+        self.tool_calls: list[ParsedToolCall] = []
+        self.finish_reason: str | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out.num_tokens
+
+    def consume(self, ev: Event) -> Delta:
+        if self.done:
+            return Delta()
+        if ev.token_ids and self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        raw = self.out.add(ev.token_ids, ev.finish_reason)
+        final = self.out.done
+        d = Delta()
+        text = raw
+        if self.reasoning_parser is not None:
+            d.reasoning, text = self.reasoning_parser.feed(text, final)
+        if self.tool_parser is not None:
+            text, d.tool_calls = self.tool_parser.feed(text, final)
+        d.text = text
+        self.content += d.text
+        self.reasoning += d.reasoning
+        self.tool_calls += d.tool_calls
+        if final:
+            reason = self.out.finish_reason
+            if reason == "stop" and self.tool_calls:
+                reason = "tool_calls"
+            self.finish_reason = d.finish_reason = reason
+            self.finish_time = time.perf_counter()
+        return d
+
+
+class Job:
+    def __init__(self, loop: EngineLoop, request_id: str, prompts: list[list[int]],
+                 choices: list[tuple[int, SamplingParams, Choice]]):
+        """``choices``: (prompt index, sampling params, output state) per choice, in choice-index order."""
+        self.loop = loop
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = [sp for _, sp, _ in choices]
+        self.prompt_of = [p for p, _, _ in choices]
+        self.choices = [c for _, _, c in choices]
+        self.arrival = time.perf_counter()
+        self._queue: asyncio.Queue | None = None
+        self._open: set[int] = set()
+
+    def rid(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def start(self) -> None:
+        aloop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        for i, (p, sp) in enumerate(zip(self.prompt_of, self.params)):
+            self._open.add(i)
+            self.loop.submit(self.rid(i), self.prompts[p], sp, Sink(aloop, self._queue, i, arrival=self.arrival))
+
+    async def events(self):
+        """(choice, delta) until every choice has ended. A failed choice raises ``ApiError`` (its status: 400 for
+        a request the engine refused, 500 for an engine failure)."""
+        while self._open:
+            for ev in self._merged(await self._queue.get()):
+                if ev.index not in self._open:
+                    continue  # a choice that a stop string ended: its last tokens were on the way
+                if ev.error is not None:
+                    raise ApiError(ev.error, status=ev.status,
+                                   type="invalid_request_error" if ev.status == 400 else "server_error")
+                c = self.choices[ev.index]
+                d = c.consume(ev)
+                if c.done:
+                    self._open.discard(ev.index)
+                    if ev.finish_reason is None:  # ended here (a stop string): the engine need not go on
+                        self.loop.abort(self.rid(ev.index))
+                if not d.empty:
+                    yield c, d
+
+    def _merged(self, first: Event) -> list[Event]:
+        """``first`` and whatever else has arrived, one event per choice (tokens joined in order): a reader
+        slower than the engine gets fewer, larger chunks instead of falling behind."""
+        if self._queue.empty():
+            return [first]
+        by_index: dict[int, Event] = {first.index: first}
+        while not self._queue.empty():
+            ev = self._queue.get_nowait()
+            prev = by_index.get(ev.index)
+            if prev is None or prev.error is not None or prev.finish_reason is not None:
+                by_index.setdefault(ev.index, ev)  # (nothing follows a last event)
+                continue
+            by_index[ev.index] = Event(ev.index, prev.token_ids + ev.token_ids, ev.finish_reason, ev.error, ev.status)
+        return list(by_index.values())
+
+    def close(self) -> None:
+        """Abort the choices that have not ended (their cache is freed); safe to call more than once."""
+        for i in sorted(self._open):
+            self.loop.abort(self.rid(i))
+        self._open.clear()
+
+    async def run(self) -> None:
+        """Run to the end (the non-streamed answer)."""
+        async for _ in self.events():
+            pass
+
+    def observe(self, metrics) -> None:
+        if metrics is None:
+            return
+        for p, c in zip(self.prompt_of, self.choices):
+            if c.finish_reason is None:
+                reason = "abort"
+            else:
+                reason = c.finish_reason
+            end = c.finish_time or time.perf_counter()
+            ttft = c.first_token_time - self.arrival if c.first_token_time is not None else None
+            metrics.observe_request(reason, len(self.prompts[p]), c.num_tokens, ttft, end - self.arrival)

@@ -1,0 +1,121 @@
+"""``dsv4 serve``: trtllm-serve's command line -> the settings (the same schema and merge rule as dsv4-bench:
+the flags make the settings, the ``--extra_llm_api_options`` YAML overrides them key by key) -> an ``LLM`` ->
+the app on uvicorn.
+
+    dsv4 serve mini --port 8000 --extra_llm_api_options examples/mtp.yml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+PROG = "dsv4 serve"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _opt(parser, *names, **kw):
+    """An option under trtllm-serve's spelling (``--max_batch_size``) plus the dashed one."""
+    spelled = list(names) + [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
+    return parser.add_argument(*spelled, **kw)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (trtllm-serve's flags)",
+                       description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,"
+                                   " /health, /version, /metrics, /tokenize, /detokenize.")
+    s.add_argument("model", help="checkpoint directory, built-in model (mini) or preset name")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--backend", default=None, help="pytorch (the only one)")
+    _opt(s, "--tp_size", type=int, default=None, help="tensor parallel size")
+    _opt(s, "--pp_size", type=int, default=None, help="pipeline parallel size (1 only)")
+    _opt(s, "--ep_size", type=int, default=None, help="MoE expert parallel size")
+    _opt(s, "--max_batch_size", type=int, default=None)
+    _opt(s, "--max_num_tokens", type=int, default=None)
+    _opt(s, "--max_seq_len", type=int, default=None)
+    _opt(s, "--kv_cache_free_gpu_memory_fraction", type=float, default=None)
+    _opt(s, "--extra_llm_api_options", "--config", dest="extra_llm_api_options", default=None,
+         help="YAML of LLM-API settings (the schema of dsv4-bench's --config); its keys override the flags")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    s.add_argument("--dtype", default=None, help="auto, bf16, fp32")
+    _opt(s, "--served_model_name", default=None, help="the model's name in the API (default: the model argument)")
+    _opt(s, "--api_key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    _opt(s, "--max_request_bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
+    _opt(s, "--chat_template", default=None, help="a Jinja chat template file, instead of the checkpoint's or"
+         " DeepSeek-V4's built-in format")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (torch.set_num_threads)")
+    _opt(s, "--log_level", default=argparse.SUPPRESS, type=str.lower, choices=LOG_LEVELS)
+    s.set_defaults(fn=run)
+    return s
+
+
+def _fail(msg: str) -> int:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    import torch
+
+    from ..bench.options import BenchOptionsError, load_yaml, resolve
+    from ..builtin import resolve_model
+    from ..engine.config import EngineConfigError
+
+    if args.backend not in (None, "pytorch"):
+        return _fail(f"--backend {args.backend}: dsv4 has one backend, the PyTorch one")
+    if not 0 < args.port < 65536:
+        return _fail(f"--port {args.port}: give a port in 1..65535")
+    if args.max_request_bytes < 1:
+        return _fail(f"--max_request_bytes {args.max_request_bytes}: must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        return _fail(f"--threads {args.threads}: must be >= 1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            return _fail(f"cannot read --chat_template {args.chat_template!r}: {e.strerror or e}")
+    try:
+        yaml_settings = load_yaml(args.extra_llm_api_options) if args.extra_llm_api_options else {}
+        flags = {"max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
+                 "max_seq_len": args.max_seq_len, "tp": args.tp_size, "pp": args.pp_size, "ep": args.ep_size,
+                 "kv_cache_free_gpu_mem_fraction": args.kv_cache_free_gpu_memory_fraction,
+                 "device": device, "dtype": args.dtype}
+        settings = resolve(flags, yaml_settings, args.extra_llm_api_options)
+    except (BenchOptionsError, EngineConfigError) as e:
+        return _fail(str(e).replace("--config", "--extra_llm_api_options"))
+    for o in settings.overrides:
+        print(f"{PROG}: note: {o}".replace("--config", "--extra_llm_api_options"), file=sys.stderr)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    import uvicorn
+
+    from ..llm import LLM
+    from .app import build_app
+    from .chat import load_chat_template
+
+    path = resolve_model(args.model)
+    try:
+        llm = LLM(path, config=settings.config, warmup=True)
+    except (EngineConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
+        return _fail(f"cannot build the engine: {e}")
+    if template is None:
+        template = load_chat_template(path if os.path.isdir(path) else None)
+    name = args.served_model_name or args.model
+    app = build_app(llm, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                    chat_template=template)
+    logging.getLogger("dsv4.serve").info("serving %s on http://%s:%d (chat: %s)", name, args.host, args.port,
+                                         app.state.dsv4.encoder.source)
+    level = logging.getLogger().getEffectiveLevel()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLevelName(level).lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        llm.shutdown()
+    return 0
