@@ -8,6 +8,7 @@ cannot be spelled two ways or parsed by two rules.
 | ``DSV4_LOG_LEVEL`` | worker ranks | their logging level (default WARNING) |
 | ``DSV4_DIST_TIMEOUT_S`` | ranks | seconds a collective may wait before the run fails (default 300) |
 | ``DSV4_DUMP_STACKS_S=S`` | ranks | every rank prints its Python stacks every S seconds (a hang's diagnosis) |
+| ``DSV4_HEARTBEAT_TIMEOUT_S`` | driver | a worker silent this long (it beats every 0.5 s) is declared stopped, killed and the run fails (default 10 s; 0 = off) |
 | ``DSV4_INJECT_FAILURE`` | ranks (tests) | ``<rank>:<setup|forward|propose>[:<n>]`` makes that rank raise |
 | ``DSV4_STATIC_GRAPHS_ON_CPU=1`` | CUDA backend (tests) | the decode kernels' torch twins and the graphs' static buffers on the CPU |
 
@@ -23,10 +24,12 @@ CHECK_CACHE = "DSV4_CHECK_CACHE"
 LOG_LEVEL = "DSV4_LOG_LEVEL"
 DIST_TIMEOUT_S = "DSV4_DIST_TIMEOUT_S"
 DUMP_STACKS_S = "DSV4_DUMP_STACKS_S"
+HEARTBEAT_TIMEOUT_S = "DSV4_HEARTBEAT_TIMEOUT_S"
 INJECT_FAILURE = "DSV4_INJECT_FAILURE"
 STATIC_GRAPHS_ON_CPU = "DSV4_STATIC_GRAPHS_ON_CPU"
 
-ALL = (CHECK_CACHE, LOG_LEVEL, DIST_TIMEOUT_S, DUMP_STACKS_S, INJECT_FAILURE, STATIC_GRAPHS_ON_CPU)
+ALL = (CHECK_CACHE, LOG_LEVEL, DIST_TIMEOUT_S, DUMP_STACKS_S, HEARTBEAT_TIMEOUT_S, INJECT_FAILURE,
+       STATIC_GRAPHS_ON_CPU)
 
 
 def flag(name: str) -> bool:

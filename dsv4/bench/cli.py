@@ -5,7 +5,9 @@
     dsv4-bench --model tiny throughput --dataset /tmp/ds.jsonl --concurrency 32 --config mtp.yml
 
 Exit status: 0 when every request completed; 1 when the run finished but some requests failed (each named in
-the report); 2 for options, a config file, a dataset or settings that cannot be used (a message, no traceback).
+the report); 2 for options, a config file, a dataset or settings that cannot be used (a message, no traceback);
+3 when a rank of a multi-device run failed during the run (the report covers the requests that finished before
+it: unlike 1, running again may well succeed); 130 after Ctrl-C during the run (likewise a partial report).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 log = logging.getLogger("dsv4.bench")
 
 PROG = "dsv4-bench"
+EXIT_RANK_FAILED = 3
 LOG_LEVELS = {"internal_error": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
               "info": logging.INFO, "verbose": logging.DEBUG, "debug": logging.DEBUG, "trace": logging.DEBUG}
 
@@ -61,7 +64,8 @@ def _opt(parser, *names, **kw):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Throughput benchmark for dsv4, mirroring trtllm-bench.",
-                                epilog="Exit status: 0 all requests completed, 1 some failed, 2 unusable input.")
+                                epilog="Exit status: 0 all requests completed, 1 some failed, 2 unusable input,"
+                                       " 3 a rank failed mid-run (partial report), 130 Ctrl-C (partial report).")
     p.add_argument("-m", "--model", help="model name (a preset name such as 'tiny' also works as the model)")
     _opt(p, "--model_path", help="checkpoint directory or preset name (default: --model)")
     p.add_argument("-w", "--workspace", help="directory for intermediate files (dsv4-bench builds no engines and"
@@ -304,9 +308,9 @@ def _throughput(args) -> int:
 
     try:
         result, log_error = _run(llm, reqs, args, run_benchmark)
-    except RankError as e:  # a rank of a multi-device run failed; every rank has been stopped
-        _err(f"the run failed: {e}")
-        return 1
+    except RankError as e:  # a rank failed in the warmup (the timed run's failure is in its result)
+        _err(f"{e}; every rank stopped before the timed run")
+        return EXIT_RANK_FAILED
     finally:
         llm.shutdown()  # stops the other ranks of a multi-device run
 
@@ -323,6 +327,10 @@ def _throughput(args) -> int:
     if result.interrupted:
         _err(f"interrupted: the report covers the {sum(r.ok for r in result.records)} requests that finished")
         return 130
+    if result.rank_error:
+        _err(f"{result.rank_error}; every rank stopped, the report covers the {sum(r.ok for r in result.records)}"
+             " requests that finished")
+        return EXIT_RANK_FAILED
     if log_error:  # the report stands; the iteration log is incomplete
         _err(log_error)
         return 2

@@ -168,6 +168,8 @@ def build_report(*, llm, settings, result: RunResult, model: str, model_path: st
             "output_len": distribution([r.output_len for r in done]),
             "num_engine_steps": result.num_steps,
             "num_preemptions": result.num_preemptions,
+            # why the timed run ended before every request did (the report covers what finished), or None
+            "stopped_early": result.rank_error or ("interrupted (SIGINT)" if result.interrupted else None),
         },
         "performance": perf,
         "timing_note": ("token times are taken when each engine step returns, in both modes; --streaming was"
@@ -245,6 +247,8 @@ def format_report(rep: dict) -> str:
     L += _banner("REQUEST DETAILS")
     L.append(_row("Dataset", q["dataset"]))
     L.append(_row("Requests (completed / failed)", f"{q['num_requests']} ({q['num_completed']} / {q['num_failed']})"))
+    if q["stopped_early"]:
+        L.append(_row("Run stopped early", q["stopped_early"]))
     L.append(_row("Warmup requests (untimed)", q["num_warmup"]))
     L.append(_row("Concurrency", "unlimited" if q["concurrency"] < 0 else q["concurrency"]))
     L.append(_row("Average input / output length (tokens)",

@@ -6,7 +6,9 @@ its ``output_tokens`` (``ignore_eos``). Times are ``time.perf_counter()`` taken 
 arrival just before ``add_request``, and each token's arrival when the ``step()`` that returns it returns
 (so MTP's several tokens from one step share a time; with the overlap scheduler that is the call after the
 one that launched its step). A request the engine refuses gets its error and the
-others go on. ``--warmup`` requests run first through the same loop, untimed and unreported.
+others go on. ``--warmup`` requests run first through the same loop, untimed and unreported. Ctrl-C or a failed
+rank (a multi-device run) stops the timed run: the requests that finished keep their results, the others get
+an error saying why they did not finish.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import IO
 
 from ..engine.engine import RequestError
 from ..engine.sampling_params import SamplingParams
+from ..parallel.comm import RankError
 from .dataset import DatasetRequest
 
 log = logging.getLogger("dsv4.bench")
@@ -58,6 +61,7 @@ class RunResult:
     spec: dict | None  # draft acceptance over the timed run (None without MTP)
     num_warmup: int
     interrupted: bool = False  # SIGINT stopped the timed run: the records hold what finished before it
+    rank_error: str | None = None  # a rank failed and stopped the timed run (its error); likewise
 
 
 def _spec_counts(engine) -> dict:
@@ -169,18 +173,17 @@ def run_benchmark(llm, requests: list[DatasetRequest], *, concurrency: int = -1,
 
         bar = tqdm(total=len(requests), desc="requests", unit="req", dynamic_ncols=True)
     start = time.perf_counter()
-    interrupted = False
+    interrupted, rank_error = False, None
     try:
         _drive(engine, requests, records, concurrency, prefix="bench_",
                on_finish=(lambda: bar.update(1)) if bar is not None else None, iteration_log=iteration_log,
                t0=start)
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, abort the rest, report both
         interrupted = True
-        for rid in [rid for rid in engine.requests if rid.startswith("bench_")]:
-            engine.abort_request(rid)
-        for rec in records:
-            if rec.finish is None and rec.error is None:
-                rec.error = "interrupted (SIGINT) before it finished"
+        _stop_run(engine, records, "interrupted (SIGINT) before it finished")
+    except RankError as e:  # every rank has been stopped: likewise
+        rank_error = str(e)
+        _stop_run(engine, records, f"the run stopped before it finished (rank {e.rank} failed)")
     finally:
         if bar is not None:
             bar.close()
@@ -190,4 +193,13 @@ def run_benchmark(llm, requests: list[DatasetRequest], *, concurrency: int = -1,
                      num_steps=stats_after["num_steps"] - stats_before["num_steps"],
                      num_preemptions=stats_after["num_preemptions"] - stats_before["num_preemptions"],
                      spec=_spec_delta(spec_before, _spec_counts(engine)) if engine.draft_len else None,
-                     num_warmup=max(warmup, 0), interrupted=interrupted)
+                     num_warmup=max(warmup, 0), interrupted=interrupted, rank_error=rank_error)
+
+
+def _stop_run(engine, records: list[RequestRecord], why: str) -> None:
+    """The timed run stopped early: abort its requests still in the engine; those unfinished get ``why``."""
+    for rid in [rid for rid in engine.requests if rid.startswith("bench_")]:
+        engine.abort_request(rid)
+    for rec in records:
+        if rec.finish is None and rec.error is None:
+            rec.error = why

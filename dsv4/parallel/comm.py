@@ -12,9 +12,14 @@ driver. Every rank joins two groups:
   driver's step messages (``broadcast_object_list``) and, under attention DP, logits gathered to the driver.
 
 Failure. Whatever rank fails first writes ``"<rank>\\n<message>"`` under ``ABORT_KEY`` in the store
-(compare-and-set: the first writer wins) and exits. Every worker runs a monitor thread that exits its
-process as soon as the key is set, the store is gone, or its parent died; a blocked gloo collective on
-the driver fails as soon as a peer's sockets close. The driver then (``fail``) stops the remaining
+(compare-and-set: the first writer wins) and exits. Every worker runs a monitor thread that raises its
+heartbeat counter in the store every ``HEARTBEAT_EVERY_S`` and exits its process as soon as the key is
+set, the store is gone, or its parent (the driver) died: then with one line, ``dsv4 rank R: the driver
+(pid P) exited; stopping``. The driver's monitor thread watches the other way: a worker process that ended
+(killed without a word) or whose heartbeat has not moved for ``DSV4_HEARTBEAT_TIMEOUT_S`` (a stopped or
+hung process; the thread beats whatever the main thread is blocked in) is recorded as the first failure,
+and a silent one is killed, so that a collective blocked on it fails at once (a gloo collective fails as
+soon as a peer's sockets close; NCCL's groups are aborted). The driver then (``fail``) stops the remaining
 ranks and raises ``RankError`` naming the first failing rank and its message. A failed group is dead: the
 ``LLM`` that owned it refuses further work.
 """
@@ -24,12 +29,14 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,10 +46,15 @@ from .. import env
 log = logging.getLogger("dsv4")
 
 ABORT_KEY = "dsv4/abort"
+HEARTBEAT_KEY = "dsv4/heartbeat/{}"  # a worker's beat counter, raised by its monitor thread
+PID_KEY = "dsv4/pid/{}"  # "<host> <pid>" of a worker's process (to kill a silent rank torchrun started)
+HEARTBEAT_EVERY_S = 0.5
 TIMEOUT_ENV = env.DIST_TIMEOUT_S
+HEARTBEAT_ENV = env.HEARTBEAT_TIMEOUT_S
 STACKS_ENV = env.DUMP_STACKS_S  # debugging a hang: every rank prints its threads' Python stacks every S s
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 _POLL_S = 0.1
+_EXIT_LOCK = threading.Lock()  # a worker's last line is printed once, by whichever thread gets there first
 
 
 class StopMsg:
@@ -60,6 +72,32 @@ class RankError(RuntimeError):
 
 def data_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=env.seconds(TIMEOUT_ENV, 300.0))
+
+
+def heartbeat_timeout() -> float | None:
+    """Seconds a worker may miss its heartbeat before the driver declares it stopped (None: not checked).
+    Default 10 s: a beat comes every 0.5 s from a thread of its own, which torch's kernels and collectives do
+    not hold up (they release the GIL), so only a stopped, hung or starved process goes silent that long."""
+    s = env.seconds(HEARTBEAT_ENV, 10.0)
+    if s == 0:
+        return None
+    if not s >= 2 * HEARTBEAT_EVERY_S:
+        raise ValueError(f"{HEARTBEAT_ENV}={s:g}: give at least {2 * HEARTBEAT_EVERY_S:g} seconds (a worker beats"
+                         f" every {HEARTBEAT_EVERY_S:g} s), or 0 to turn the heartbeat check off")
+    return s
+
+
+def _driver_exited(parent_pid: int | None, wait_s: float = 0.0) -> bool:
+    """A worker: True once its parent, the driver, has exited. Waits up to ``wait_s`` for it: a dying driver's
+    sockets close (failing this worker's collective) just before its children are re-parented."""
+    if parent_pid is None:  # torchrun's ranks: the driver is not the parent
+        return False
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def describe_exception(e: BaseException) -> str:
@@ -130,11 +168,13 @@ class RankGroup:
         self.backend = _backend_for(device)
         self.store_addr = store_addr
         self.procs = procs or []  # rank r >= 1 at index r - 1 (driver with launch only)
+        self.parent_pid: int | None = None  # a launched worker: the driver's pid
         self.control = None
         self._store = None  # a client of the store the ranks meet at (the driver's, or torchrun's)
         self.collectives = Collectives(rank, world_size, self.backend)
         self.failed: RankError | None = None
         self.closed = False
+        self._exiting = False  # a worker reporting its own failure (its monitor must not exit under it)
         self._lock = threading.Lock()
         self._saved_threads: int | None = None
         self._owns_default = True
@@ -155,6 +195,7 @@ class RankGroup:
 
             raise EngineConfigError("torch.distributed is already initialised in this process (is another"
                                     " multi-device LLM still running? call its shutdown() first)")
+        heartbeat_timeout()  # a bad value is refused before any rank starts
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=startup_timeout_s))
         addr = ("127.0.0.1", store.port)
@@ -201,6 +242,7 @@ class RankGroup:
                               timeout=datetime.timedelta(seconds=120))
         group = cls(rank, world_size, device, store_addr)
         group._store = store
+        group.parent_pid = parent_pid
         group._start_worker_monitor(parent_pid)
         store.set(f"dsv4/alive/{rank}", "1")
         group._join(store)
@@ -290,22 +332,58 @@ class RankGroup:
         return int(rank), msg
 
     def _start_worker_monitor(self, parent_pid: int | None) -> None:
-        """Exit this worker process as soon as any rank has failed, the driver's store is gone, or the
-        parent died: a worker must never outlive a failed group, whatever it is blocked in."""
+        """This worker's watch thread, whatever the main thread is blocked in: every ``HEARTBEAT_EVERY_S`` it
+        raises the rank's heartbeat counter in the store, and it exits the process as soon as any rank has
+        failed, the driver's store is gone, or the driver died: a worker never outlives a failed group."""
         mon = dist.TCPStore(self.store_addr[0], self.store_addr[1], self.world_size, is_master=False,
                             timeout=datetime.timedelta(seconds=30))
+        mon.set(PID_KEY.format(self.rank), f"{socket.gethostname()} {os.getpid()}")
+        beat = HEARTBEAT_KEY.format(self.rank)
 
         def watch():
+            next_beat = 0.0
             while True:
+                if _driver_exited(parent_pid):  # checked first: the dead driver's store would fail loudly
+                    self._leave(f"the driver (pid {parent_pid}) exited")
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + HEARTBEAT_EVERY_S
+                    try:
+                        mon.add(beat, 1)
+                        aborted = mon.check([ABORT_KEY])
+                    except Exception as e:
+                        if _driver_exited(parent_pid, wait_s=1.0):
+                            self._leave(f"the driver (pid {parent_pid}) exited")
+                        self._leave(f"lost the driver's store ({describe_exception(e).splitlines()[0]})")
+                    if aborted and not self._exiting:  # another rank failed: the driver reports it
+                        os._exit(1)
                 time.sleep(_POLL_S)
-                try:
-                    aborted = mon.check([ABORT_KEY])
-                except Exception:
-                    os._exit(1)
-                if aborted or (parent_pid is not None and os.getppid() != parent_pid):
-                    os._exit(1)
 
         threading.Thread(target=watch, name="dsv4-rank-monitor", daemon=True).start()
+
+    def _leave(self, why: str) -> NoReturn:
+        """A worker whose driver went away: one line on stderr, exit 1 (nothing of its own to report)."""
+        with _EXIT_LOCK:
+            print(f"dsv4 rank {self.rank}: {why}; stopping", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def exit_worker(self, e: BaseException) -> NoReturn:
+        """A worker's way out after ``e``: the driver gone, one line; another rank failed first, quietly (the
+        driver names that rank); this rank's own failure, recorded for the driver, with its traceback."""
+        self._exiting = True
+        if _is_comm_error(e) and _driver_exited(self.parent_pid, wait_s=1.0):
+            self._leave(f"the driver (pid {self.parent_pid}) exited")
+        with _EXIT_LOCK:
+            first = self.rank
+            if self._store is not None:
+                try:
+                    first, _ = self.report(e)
+                except Exception:
+                    pass
+            if first == self.rank:
+                traceback.print_exception(type(e), e, e.__traceback__)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def _record_dead_rank(self, store=None) -> bool:
         """Driver: if a worker's process has ended with an error code, record it as the group's first failure
@@ -321,23 +399,56 @@ class RankGroup:
             pass
         return True
 
+    def _record_silent_rank(self, store, beats: dict, timeout: float) -> bool:
+        """Driver: if a worker's heartbeat counter has not moved for ``timeout`` seconds (``beats``: rank ->
+        (counter, when it last moved), kept by the caller), record it as the group's first failure and kill
+        its process; True when one was found. Judged by when this thread saw the counter move, so a driver
+        that was itself held up blames nobody."""
+        now = time.monotonic()
+        for r in range(1, self.world_size):
+            n = store.add(HEARTBEAT_KEY.format(r), 0)
+            last, since = beats.get(r, (None, now))
+            if n != last:
+                beats[r] = (n, now)
+            elif now - since >= timeout:
+                store.compare_set(ABORT_KEY, "", f"{r}\nstopped responding (no heartbeat for {now - since:.1f} s,"
+                                  f" {HEARTBEAT_ENV}={timeout:g}): a stopped or hung process, now killed")
+                self._kill_rank(r, store)
+                return True
+        return False
+
+    def _kill_rank(self, r: int, store) -> None:
+        """Kill rank ``r``'s process: a stopped process cannot exit by itself, and its end closes its sockets,
+        so a gloo collective blocked on it fails at once. (A torchrun rank on another host cannot be killed
+        from here: NCCL's groups are aborted; gloo waits for ``DSV4_DIST_TIMEOUT_S``.)"""
+        if self.procs:
+            self.procs[r - 1].kill()
+            return
+        host, pid = store.get(PID_KEY.format(r)).decode().split()
+        if host == socket.gethostname():
+            os.kill(int(pid), signal.SIGKILL)
+
     def _start_driver_monitor(self) -> None:
-        """Watch for a failed rank while the driver may be blocked in a collective. A gloo collective fails by
-        itself once the failed rank's sockets close; an NCCL one may not until its timeout, so the process
-        groups are aborted (which makes the blocked call raise; ``fail`` then reports the first failure)."""
+        """Watch the other ranks while the driver may be blocked in a collective: a rank that failed (the abort
+        key), a worker process that ended without a word (OOM killer, a signal), a worker whose heartbeat
+        stopped (killed, see ``_record_silent_rank``). A gloo collective fails by itself once the failed
+        rank's sockets close; an NCCL one may not until its timeout, so the process groups are aborted (which
+        makes the blocked call raise; ``fail`` then reports the first failure)."""
         mon = dist.TCPStore(self.store_addr[0], self.store_addr[1], self.world_size, is_master=False,
                             timeout=datetime.timedelta(seconds=30))
+        timeout = heartbeat_timeout()
+        beats: dict = {}
 
         def watch():
             while not self._stop.wait(_POLL_S):
                 try:
                     aborted = mon.check([ABORT_KEY])
+                    if self._stop.is_set():
+                        return
+                    aborted = (aborted or self._record_dead_rank(mon)
+                               or (timeout is not None and self._record_silent_rank(mon, beats, timeout)))
                 except Exception:
                     return
-                if self._stop.is_set():
-                    return
-                if not aborted and self._record_dead_rank(mon):  # killed without a word (OOM killer, signal)
-                    aborted = True
                 if aborted:
                     if self.backend == "nccl":
                         try:
@@ -368,7 +479,7 @@ class RankGroup:
             self._stop_monitor()
             self._destroy()
             self.failed = err
-            log.error("%s; all %d ranks stopped", err, self.world_size)
+            log.info("%s; all %d ranks stopped", err, self.world_size)  # the error raised says it
             return err
 
     def _stop_workers(self, grace_s: float) -> None:

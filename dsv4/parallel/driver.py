@@ -110,11 +110,8 @@ def run_worker(join) -> None:
         group = join()
         serve(group)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the driver
-        if group is not None and getattr(group, "_store", None) is not None:
-            try:
-                group.report(e)
-            except Exception:
-                pass
+        if group is not None:
+            group.exit_worker(e)
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)

@@ -187,7 +187,10 @@ class DistributedRunner(LaneRunner):
         try:
             return fn(*args)
         except BaseException as e:
-            raise self.group.fail(e) from e
+            err = self.group.fail(e)  # the other ranks may be mid-step: every rank is stopped
+            if isinstance(e, KeyboardInterrupt):  # Ctrl-C stays Ctrl-C for the caller (a partial report)
+                raise
+            raise err from e
 
     def forward(self, seqs: list[ScheduledSeq], plan, prev=None) -> TargetOutput:
         if prev is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from .. import env
 
@@ -21,6 +22,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="the driver's device (rank r uses cuda:base+r on CUDA)")
     p.add_argument("--parent", type=int, default=None, help="the driver's pid (exit if it dies)")
     a = p.parse_args(argv)
+    # Ctrl-C in a terminal reaches every process of the foreground group: the driver alone decides what it
+    # means (a report of what finished, then a stop message); a worker interrupted mid-step would fail the run
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=env.text(env.LOG_LEVEL, "WARNING"))
     host, port = a.store.rsplit(":", 1)
     from .comm import RankGroup

@@ -1,0 +1,137 @@
+"""A rank that stops, a driver that dies, a rank killed during a benchmark (CPU, gloo, 2 ranks, ``tiny``).
+
+Issue 18, item 6: a stopped rank is found by its missing heartbeat within ``DSV4_HEARTBEAT_TIMEOUT_S`` (not the
+collective's 300 s timeout) and blamed; a killed driver takes its workers with it, each saying at most one line;
+a benchmark whose rank dies keeps the report of what finished. (A killed or raising rank: test_multidevice.py.)
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dsv4 import LLM, SamplingParams
+from dsv4.parallel.comm import RankError
+
+KW = dict(max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 2048})
+PROMPTS = [[1, 2, 3] * 20] * 4
+SP = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie may wait for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(_running(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_stopped_rank_is_found_by_its_heartbeat_and_blamed(monkeypatch):
+    """SIGSTOP keeps rank 1's sockets open, so no collective fails: only the missing heartbeat shows it."""
+    timeout = 3.0
+    monkeypatch.setenv("DSV4_HEARTBEAT_TIMEOUT_S", str(timeout))
+    llm = LLM("tiny", tensor_parallel_size=2, warmup=False, **KW)
+    victim = llm._group.procs[0]
+    stopped = {}
+
+    def stop():
+        stopped["at"] = time.monotonic()
+        victim.send_signal(signal.SIGSTOP)
+
+    threading.Timer(0.3, stop).start()
+    with pytest.raises(RankError, match=r"rank 1 failed: stopped responding \(no heartbeat for") as ei:
+        for _ in range(100):  # until the stop lands
+            llm.generate(PROMPTS, SP)
+    took = time.monotonic() - stopped["at"]
+    assert ei.value.rank == 1 and timeout - 1.0 < took < timeout + 3.0, took
+    assert _wait_gone(ei.value.pids, 5.0)
+    e = llm.engine  # nothing of the failed call is left queued or holding the cache
+    assert not e.requests and not e.has_unfinished_requests()
+    assert e.cache.num_free_slots == e.cache.num_slots and e.cache.num_free_blocks == e.cache.num_blocks
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 failed: stopped responding"):  # the LLM is dead, and says so at once
+        llm.generate(PROMPTS[:1], SP)
+    assert time.monotonic() - t0 < 1.0
+    llm.shutdown()
+
+
+DRIVER = """
+import os
+from dsv4 import LLM, SamplingParams
+llm = LLM("tiny", tensor_parallel_size=2, warmup=False, max_batch_size=4, max_num_tokens=48, max_seq_len=256,
+          kv_cache_config={"max_tokens": 2048})
+print("PIDS", " ".join(str(p.pid) for p in llm._group.procs), flush=True)
+while True:
+    llm.generate([[1, 2, 3] * 20] * 4, SamplingParams(max_tokens=32, ignore_eos=True))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_driver_takes_its_workers_quietly(sig):
+    """The driver dies mid-run without a word: every worker exits within seconds, saying one line at most
+    (it used to print the store's C++ stack)."""
+    p = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("PIDS"), line + p.stderr.read()
+        workers = [int(w) for w in line.split()[1:]]
+        time.sleep(0.5)  # into a step
+        p.send_signal(sig)
+        p.wait(timeout=10)
+        assert _wait_gone(workers, 5.0), "a worker outlived its driver"
+        err = p.stderr.read()
+    finally:
+        p.kill()
+    assert err.splitlines() == [f"dsv4 rank 1: the driver (pid {p.pid}) exited; stopping"], err
+
+
+def test_a_bench_run_whose_rank_dies_keeps_the_finished_requests(tmp_path, monkeypatch, capsys):
+    """SIGKILL of rank 1 during the timed run: the report covers the requests that finished before it, the
+    failure is one error line naming rank 1, and the exit status is 3."""
+    from dsv4.bench import cli
+    from dsv4.engine.engine import LLMEngine
+
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text("".join(f'{{"task_id": {i}, "input_ids": [1, 2, {i + 3}], "output_tokens": 2}}\n'
+                          for i in range(6)))
+    real, calls = LLMEngine.step, {"n": 0}
+
+    def step(self):
+        if any(rid.startswith("bench_") for rid in self.requests):
+            calls["n"] += 1
+            if calls["n"] == 5:  # two requests at a time, two tokens each: some have finished by now
+                victim = self.group.procs[0]
+                victim.kill()
+                victim.wait()
+        return real(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    report = tmp_path / "report.json"
+    rc = cli.main(["--model", "tiny", "throughput", "--dataset", str(ds), "--tp", "2", "--concurrency", "2",
+                   "--warmup", "0", "--no_progress", "--report_json", str(report)])
+    out, err = capsys.readouterr()
+    assert rc == cli.EXIT_RANK_FAILED == 3, err
+    errors = [x for x in err.splitlines() if x.startswith("dsv4-bench: error:")]
+    assert len(errors) == 1 and "rank 1 failed: the rank's process exited with code -9" in errors[0], err
+    assert "Traceback" not in err
+    finished = int(errors[0].split("covers the ")[1].split()[0])
+    assert 0 < finished < 6
+    assert "(completed / failed):" in out and f"6 ({finished} / {6 - finished})" in out
+    assert "the run stopped before it finished (rank 1 failed)" in out
+    rep = json.loads(report.read_text())
+    assert rep["requests"]["num_completed"] == finished and "rank 1 failed" in rep["requests"]["stopped_early"]
+    assert sum(r["error"] is None for r in rep["per_request"]) == finished
