@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
+
 import torch
 
 from ..cache.manager import SeqStep
@@ -21,9 +23,9 @@ from ..transfer import HostCopy
 from .outputs import CompletionOutput, RequestOutput
 from .proposer import MtpProposer, Proposer
 from .protocols import StepCache, StepScheduler
-from .request import Request
+from .request import Request, Status
 from .runner import LaunchedStep, ModelRunner, TargetOutput
-from .sampler import greedy_tokens, make_generator, probs_from_logits, sample
+from .sampler import StepLogprobs, greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
 from .spec import SpecStats, accept_greedy, accept_greedy_on_device, accept_sampled
@@ -33,6 +35,14 @@ log = logging.getLogger("dsv4")
 
 class RequestError(ValueError):
     """A request this engine cannot serve (too long, bad token ids); only that request is refused."""
+
+
+@dataclass(frozen=True)
+class OverlappedStep(LaunchedStep):
+    """A step the overlap scheduler left running, with the logprobs of its tokens (for the requests that ask),
+    computed on the device at launch and read back with the tokens."""
+
+    logprobs: StepLogprobs | None = None
 
 
 class LLMEngine:
@@ -61,7 +71,7 @@ class LLMEngine:
         self.last_step: dict = {}  # a summary of the last step (for iteration logs)
         # the overlap scheduler (see ``step``); a benchmark may switch it between steps
         self.overlap_scheduler = not engine_cfg.disable_overlap_scheduler
-        self._pending: LaunchedStep | None = None  # the overlapped step whose tokens are not read back yet
+        self._pending: OverlappedStep | None = None  # the overlapped step whose tokens are not read back yet
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -174,13 +184,13 @@ class LLMEngine:
         """Leave this step's tokens on the device (a step that samples nothing has none)."""
         return self.overlaps_steps and any(s.sample for s in seqs)
 
-    def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
+    def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> OverlappedStep:
         """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
-        request's generator, as the synchronous step draws them) and queued for the host; each sampled
-        request counts one pending token until ``_resolve`` reads it."""
+        request's generator, as the synchronous step draws them) and queued for the host, their logprobs
+        behind them; each sampled request counts one pending token until ``_resolve`` reads it."""
         rows = target.all_rows()
         tokens = greedy_tokens(rows)
-        row_of = {}
+        row_of, asks = {}, []
         for s in seqs:
             if s.sample:
                 r = row_of[s.request.request_id] = len(row_of)
@@ -188,19 +198,23 @@ class LLMEngine:
                 if not req.params.greedy:
                     tokens[r:r + 1] = sample(probs_from_logits(rows[r:r + 1], req.params), req.generator)
                 req.num_pending += 1
-        return LaunchedStep(seqs, tokens, row_of, HostCopy(tokens))
+                asks.append(req.params.logprobs)
+        host = HostCopy(tokens)  # (queued first: read first)
+        return OverlappedStep(seqs, tokens, row_of, host, StepLogprobs.launch(rows, tokens, [1] * len(asks), asks))
 
-    def _resolve(self, step: LaunchedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
-        """Read back an overlapped step's tokens and append them (a request that ended meanwhile, by an
-        abort or at an earlier stop token, drops its token)."""
+    def _resolve(self, step: OverlappedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
+        """Read back an overlapped step's tokens (and logprobs) and append them (a request that ended
+        meanwhile, by an abort or at an earlier stop token, drops its token)."""
         toks = step.host.tolist()
+        logprobs = step.logprobs.read() if step.logprobs is not None else [None] * len(toks)
         emitted = []
         for s in step.seqs:
             req, new = s.request, []
             if s.sample:
                 req.num_pending -= 1
+                r = step.row_of[req.request_id]
                 if req.finish_reason is None:
-                    new = req.append([toks[step.row_of[req.request_id]]])
+                    new = req.append([toks[r]], logprobs[r])
             emitted.append(new)
         return step.seqs, emitted
 
@@ -213,14 +227,21 @@ class LLMEngine:
             return self._run_on_device(seqs, plan, target)
         greedy = self._greedy_ids([lg if s.sample and s.request.params.greedy else None
                                    for s, lg in zip(seqs, target.logits)], target)
-        accepted, emitted = [], []
+        chosen: list[list[int] | None] = []  # per seq: the tokens it emits (None: none)
         for s, logits, ids in zip(seqs, target.logits, greedy):
             if not s.sample or s.request.finish_reason is not None:
+                chosen.append(None)
+            else:
+                chosen.append(accept_greedy(ids, list(s.drafts)) if ids is not None
+                              else self._verify_sampled(s, logits))
+        logprobs = self._logprobs_of(seqs, target, chosen)
+        accepted, emitted = [], []
+        for s, toks, lp in zip(seqs, chosen, logprobs):
+            if toks is None:
                 accepted.append(s.num_new)
                 emitted.append([])
                 continue
-            toks = accept_greedy(ids, list(s.drafts)) if ids is not None else self._verify_sampled(s, logits)
-            self._accept(s, toks, accepted, emitted)
+            self._accept(s, toks, lp, accepted, emitted)
 
         if mtp:
             drafting = [s.sample and s.request.finish_reason is None for s in seqs]
@@ -237,27 +258,49 @@ class LLMEngine:
         """The MTP step with one host read: greedy acceptance on the device, the proposer's passes launched
         from it, then the step's argmax and accepted counts read back (queued before the passes, so the read
         waits for nothing more than the drafts' own read did)."""
-        verdict = accept_greedy_on_device(seqs, target.all_rows())
+        rows = target.all_rows()
+        verdict = accept_greedy_on_device(seqs, rows)
+        # the logprobs of every verify row's argmax, queued before the drafts; the accepted rows' are kept
+        logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
+                                       [s.request.params.logprobs for s in seqs])
         proposals = self.proposer.propose(seqs, plan, target, verdict, [s.sample for s in seqs])
-        ids, rows = verdict.read()
+        ids, kept = verdict.read()
+        row_logprobs = logprobs.read() if logprobs is not None else [None] * len(seqs)
         accepted, emitted = [], []
-        for s, tgt, n in zip(seqs, ids, rows):
+        for s, tgt, n, lp in zip(seqs, ids, kept, row_logprobs):
             if not s.sample:
                 accepted.append(s.num_new)
                 emitted.append([])
                 continue
-            self._accept(s, accept_greedy(tgt, list(s.drafts)), accepted, emitted)
+            toks = accept_greedy(tgt, list(s.drafts))
+            self._accept(s, toks, None if lp is None else lp[:len(toks)], accepted, emitted)
             if accepted[-1] != n:
                 raise RuntimeError(f"request {s.request.request_id!r}: acceptance on the device kept {n} rows,"
                                    f" the host's {accepted[-1]} (drafts {list(s.drafts)}, target {tgt})")
         self._adopt(seqs, proposals)
         return accepted, emitted
 
-    def _accept(self, s: ScheduledSeq, toks: list[int], accepted: list[int], emitted: list[list[int]]) -> None:
-        """Record a verified seq: ``toks`` its accepted drafts plus the target's token after them."""
+    def _accept(self, s: ScheduledSeq, toks: list[int], logprobs: list[dict] | None, accepted: list[int],
+                emitted: list[list[int]]) -> None:
+        """Record a verified seq: ``toks`` its accepted drafts plus the target's token after them (``logprobs``
+        theirs, when the request asks)."""
         self.spec_stats.record(len(s.drafts), len(toks) - 1)
         accepted.append(s.num_new - len(s.drafts) + len(toks) - 1)
-        emitted.append(s.request.append(toks))
+        emitted.append(s.request.append(toks, logprobs))
+
+    @staticmethod
+    def _logprobs_of(seqs: list[ScheduledSeq], target: TargetOutput,
+                     chosen: list[list[int] | None]) -> list[list[dict] | None]:
+        """The logprobs of the tokens each seq emits (``chosen``: the target's tokens at its first verify
+        rows), for the seqs that ask (None for the others); nothing is computed when none asks."""
+        asks = [toks is not None and s.request.params.logprobs is not None for s, toks in zip(seqs, chosen)]
+        if not any(asks):
+            return [None] * len(seqs)
+        blocks = [lg[:len(toks)] for lg, toks, a in zip(target.logits, chosen, asks) if a]
+        tokens = [t for toks, a in zip(chosen, asks) if a for t in toks]
+        rows_per_seq = [len(toks) if a else 0 for toks, a in zip(chosen, asks)]
+        top_n = [s.request.params.logprobs if a else None for s, a in zip(seqs, asks)]
+        return StepLogprobs.launch(torch.cat(blocks), tokens, rows_per_seq, top_n).read()
 
     def _adopt(self, seqs: list[ScheduledSeq], proposals) -> None:
         """The proposals become the drafts of the requests still running (after this step's tokens)."""
@@ -289,10 +332,12 @@ class LLMEngine:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None and req.params.detokenize else None
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_ids), prompt=req.prompt,
-            outputs=[CompletionOutput(0, list(req.output_ids), text, req.finish_reason)],
+            outputs=[CompletionOutput(0, list(req.output_ids), text, req.finish_reason,
+                                      None if req.logprobs is None else list(req.logprobs))],
             finished=req.finished,
-            metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                     "finish_time": req.finish_time, "num_preemptions": req.num_preemptions})
+            metrics={"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
+                     "first_token_time": req.first_token_time, "finish_time": req.finish_time,
+                     "num_preemptions": req.num_preemptions})
 
     def reset_stats(self):
         """Start the step, preemption and speculation counters afresh (after warmup, or between runs)."""
@@ -301,5 +346,14 @@ class LLMEngine:
         self.scheduler.reset_stats()
 
     def get_stats(self) -> dict:
+        """Counters since the last ``reset_stats``, and the live state: requests running (in the batch) and
+        waiting (queued or preempted), the KV cache's blocks and request slots in use."""
+        statuses = [r.status for r in self.requests.values()]
+        cache = self.cache
         return {"num_steps": self.num_steps, "num_preemptions": self.scheduler.num_preemptions,
-                "speculative": self.spec_stats.as_dict() if self.draft_len else None}
+                "speculative": self.spec_stats.as_dict() if self.draft_len else None,
+                "num_running": statuses.count(Status.RUNNING), "num_waiting": statuses.count(Status.WAITING),
+                "kv_cache_usage": {"num_blocks": cache.num_blocks,
+                                   "used_blocks": cache.num_blocks - cache.num_free_blocks,
+                                   "num_slots": cache.num_slots,
+                                   "used_slots": cache.num_slots - cache.num_free_slots}}

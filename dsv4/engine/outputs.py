@@ -11,6 +11,9 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None = None
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    # with SamplingParams.logprobs: one dict per token of token_ids, token id -> logprob (the chosen token and
+    # the top n, raw model distribution); None when the request did not ask
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -21,4 +24,5 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     error: str | None = None
-    metrics: dict = field(default_factory=dict)  # arrival / first_token / finished times (time.perf_counter)
+    # arrival / first_scheduled / first_token / finish times (time.perf_counter), num_preemptions
+    metrics: dict = field(default_factory=dict)

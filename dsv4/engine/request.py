@@ -41,6 +41,7 @@ class Request:
     eos_token_id: int | None = None
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # when a step first computed some of it (set by the scheduler)
     first_token_time: float | None = None
     finish_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -51,6 +52,12 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_pending: int = 0  # sampled tokens still on the device (overlap scheduler), after output_ids
+    # with params.logprobs: one dict per output token (token id -> logprob), kept aligned with output_ids
+    logprobs: list[dict[int, float]] | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def tokens(self) -> list[int]:
@@ -92,8 +99,15 @@ class Request:
     def finished(self) -> bool:
         return self.status == Status.FINISHED
 
-    def append(self, new_ids: list[int]) -> list[int]:
-        """Append emitted tokens, stopping at max_tokens / EOS / a stop token. Returns what was kept."""
+    def append(self, new_ids: list[int], logprobs: list[dict[int, float]] | None = None) -> list[int]:
+        """Append emitted tokens, stopping at max_tokens / EOS / a stop token. Returns what was kept.
+        ``logprobs``: one dict per token of ``new_ids``, given exactly when the request asked for logprobs;
+        those of the kept tokens are kept."""
+        if (logprobs is None) != (self.logprobs is None) or (
+                logprobs is not None and len(logprobs) != len(new_ids)):
+            raise ValueError(f"request {self.request_id!r}: {len(new_ids)} tokens came with"
+                             f" {None if logprobs is None else len(logprobs)} logprobs (it asked for"
+                             f" logprobs={self.params.logprobs})")
         kept = []
         sp = self.params
         for t in new_ids:
@@ -106,6 +120,8 @@ class Request:
                 break
         if self.finish_reason is None and len(self.output_ids) >= sp.max_tokens:
             self.finish_reason = "length"
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs[:len(kept)])
         if kept and self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         return kept

@@ -1,9 +1,14 @@
-"""Turning logits into tokens: temperature, top-k, top-p, per-request seeded generators."""
+"""Turning logits into tokens: temperature, top-k, top-p, per-request seeded generators; and the logprobs of
+the tokens chosen."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
+from ..transfer import HostCopy, to_device
 from .sampling_params import SamplingParams
 
 
@@ -51,3 +56,65 @@ def make_generator(seed: int | None, device) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """The logprobs of a step's chosen tokens, for the seqs that ask: log_softmax of the target's raw logits in
+    fp32 at the rows that produced them (the model's own distribution, before temperature / top-k / top-p, as
+    vLLM returns by default), computed on the device where the logits are and queued for the host; ``read``
+    waits for that copy only.
+
+    ``host`` packs one row per token: its id, its logprob, then the ``width`` best logprobs and their ids
+    (``width``: the most any seq of the step asks for; each seq keeps its own n)."""
+
+    host: HostCopy  # [rows, 2 + 2 * width] float64 (token ids are exact in float64)
+    spans: tuple[tuple[int, int, int] | None, ...]  # per seq: (first packed row, rows, its top n); None: none
+    width: int
+
+    @staticmethod
+    def launch(logits: torch.Tensor, tokens: torch.Tensor | Sequence[int], rows_per_seq: Sequence[int],
+               top_n: Sequence[int | None]) -> StepLogprobs | None:
+        """``logits`` [R, V]: a step's logit rows, seqs in order, ``rows_per_seq[b]`` of them seq b's;
+        ``tokens`` [R] (device tensor or host ints): the token chosen at each row; ``top_n[b]``: seq b's
+        ``SamplingParams.logprobs`` (None: it does not ask, its rows are skipped). None when no seq asks."""
+        if sum(rows_per_seq) != logits.shape[0] or len(tokens) != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logit rows and {len(tokens)} tokens for seqs of"
+                             f" {list(rows_per_seq)} rows")
+        picked, spans, off = [], [], 0
+        for count, n in zip(rows_per_seq, top_n):
+            spans.append(None if n is None or count == 0 else (len(picked), count, n))
+            if spans[-1] is not None:
+                picked.extend(range(off, off + count))
+            off += count
+        if not picked:
+            return None
+        width = max(span[2] for span in spans if span is not None)
+        idx = to_device(picked, logits.device)
+        tok = tokens[idx] if isinstance(tokens, torch.Tensor) else to_device([tokens[i] for i in picked],
+                                                                             logits.device)
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)
+        cols = [tok[:, None].double(), lp.gather(1, tok[:, None]).double()]
+        if width:
+            top = lp.topk(width, dim=-1)
+            cols += [top.values.double(), top.indices.double()]
+        return StepLogprobs(HostCopy(torch.cat(cols, 1)), tuple(spans), width)
+
+    def read(self) -> list[list[dict[int, float]] | None]:
+        """Per seq: one dict per row (token id -> logprob: the chosen token first, then its top n, best
+        first), or None for a seq that did not ask."""
+        table, w = self.host.tolist(), self.width
+        out = []
+        for span in self.spans:
+            if span is None:
+                out.append(None)
+                continue
+            first, count, n = span
+            dicts = []
+            for row in table[first:first + count]:
+                d = {int(row[0]): row[1]}
+                for j in range(n):
+                    d.setdefault(int(row[2 + w + j]), row[2 + j])
+                dicts.append(d)
+            out.append(dicts)
+        return out

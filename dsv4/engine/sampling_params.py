@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs)
 
 
 def _is_int(x) -> bool:
@@ -27,6 +28,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (text None), as vLLM's flag
+    # None: no logprobs; n >= 0: each output token's logprob and the n most likely tokens' (as vLLM's field),
+    # from the target model's raw distribution (log_softmax of its logits, before temperature / top-k / top-p)
+    logprobs: int | None = None
 
     def __post_init__(self):
         """Refuse at construction what a step could not run (a NaN temperature, a fractional top_k), naming
@@ -51,6 +55,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (integers >= 0), got"
                              f" {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0: the"
+                             f" chosen token's logprob only; n: also the top n), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,7 @@ request is never dropped.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -121,6 +122,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.first_scheduled_time is None:  # (not again when a preempted request comes back)
+                req.first_scheduled_time = time.perf_counter()
             self.running.append(req)
             out.append(seq)
             budget -= seq.num_new
