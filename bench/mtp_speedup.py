@@ -63,6 +63,9 @@ def main():
                          " of Flash's depth does not fit twice)")
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (the median is reported)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="EngineConfig.batch_invariant: bf16 MTP on then equals MTP off, so the oracle drafter's"
+                         " reference holds at any concurrency")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     cfg = get_preset(args.preset)
@@ -71,7 +74,7 @@ def main():
     sp = SamplingParams(max_tokens=args.gen, ignore_eos=True)
     common = dict(device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
                   max_batch_size=args.concurrency, max_num_tokens=4096, max_seq_len=args.prompt_len + args.gen + 8,
-                  kv_cache_config={"free_gpu_memory_fraction": 0.2})
+                  kv_cache_config={"free_gpu_memory_fraction": 0.2}, batch_invariant=args.batch_invariant)
     rows, ref = [], None
     ref_model = None
     for k in args.ks:
@@ -105,7 +108,8 @@ def main():
             torch.cuda.empty_cache()
     text = table(["k", "drafts", "output tok/s", "acceptance", "mean accepted len", "tokens identical to MTP off",
                   "first divergence", "logit gap there (top-2 gap, median elsewhere)"], rows)
-    report(f"MTP on vs off, {args.preset}, concurrency {args.concurrency}, {args.gen} output tokens", text,
+    report(f"MTP on vs off, {args.preset}, concurrency {args.concurrency}, {args.gen} output tokens"
+           + (", batch-invariant" if args.batch_invariant else ""), text,
            args.append, notes="Random weights: the real MTP layer is almost never right; the oracle rows show the"
                               " speed-up at a known acceptance.")
 

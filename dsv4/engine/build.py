@@ -12,6 +12,7 @@ from ..cache.storage import CacheStorage
 from .engine import LLMEngine
 from .graphs import build_graphs
 from .resolved import ResolvedConfig
+from .runner import ModelRunner
 
 log = logging.getLogger("dsv4")
 
@@ -24,8 +25,10 @@ def make_storage(r: ResolvedConfig, device) -> CacheStorage:
 def build_engine(model, r: ResolvedConfig, tokenizer=None) -> LLMEngine:
     """The engine of one device for ``model`` (loaded with ``r.dtype``), its graphs captured."""
     cache = KVCacheManager(r.layout, r.num_slots, r.num_blocks)
-    engine = LLMEngine(model, model.cfg, cache, make_storage(r, r.device), r.engine, r.max_seq_len,
-                       tokenizer=tokenizer)
+    storage = make_storage(r, r.device)
+    runner = ModelRunner(model, storage, r.device, r.engine.attention_backend, r.engine.batch_invariant)
+    engine = LLMEngine(model, model.cfg, cache, storage, r.engine, r.max_seq_len, tokenizer=tokenizer,
+                       runner=runner)
     if build_graphs(engine.runner, r.graphs) is not None:
         log.info("CUDA graphs: batch sizes %s x %d rows per request, padding %s", list(r.graphs.buckets),
                  r.graphs.rows_per_seq, "on" if r.graphs.enable_padding else "off")

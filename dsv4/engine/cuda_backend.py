@@ -18,6 +18,7 @@ from .. import env, kernels
 from ..kernels.indexer import select_top_rows
 from ..kernels.sparse_attention import sparse_sink_attention
 from ..model.attention import Compressor
+from ..model.rows import active as rows_fixed
 from .backend import CachedBackend
 
 # Test switch, read in every process (multi-rank workers too, which a test's monkeypatch cannot reach):
@@ -92,4 +93,5 @@ class CudaBackend(CachedBackend):
         if compressed is not None:
             rows, visible = compressed
             sources.append(replace(rows, valid=visible[:, 0]).source())
-        return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale).unsqueeze(1)
+        split = 0 if rows_fixed() else None  # batch invariance: one path whatever the batch size
+        return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale, split).unsqueeze(1)

@@ -236,5 +236,6 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
         return None
     runner.graphs = GraphRunner(runner.model, runner.storage, spec,
                                 capture=capture and runner.storage.device.type == "cuda")
-    runner.graphs.prepare()
+    with runner.pass_context():  # captured under the same GEMM row counts as the eager passes
+        runner.graphs.prepare()
     return runner.graphs

@@ -16,6 +16,7 @@ import torch
 
 from ..cache.storage import CacheStorage
 from ..model.model import DeepseekV4
+from ..model.rows import ROWS, fixed_rows
 from ..transfer import HostCopy, to_device
 from .backend import CachedBackend
 from .cuda_backend import CudaBackend
@@ -150,8 +151,11 @@ class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
     drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
 
-    def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto"):
+    def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
+                 batch_invariant: bool = False):
         self.model, self.storage, self.device = model, storage, torch.device(device)
+        # every pass under rows.fixed_rows: a row's result independent of the batch (EngineConfig.batch_invariant)
+        self.batch_invariant = batch_invariant
         # the Triton kernel path for decode-like steps (CUDA; bf16, fp32 or FP8 cache), else the plain-torch path
         self.use_kernels = attention_backend in ("auto", "triton") and CudaBackend.supports(storage)
         if attention_backend == "triton" and not self.use_kernels:
@@ -197,10 +201,18 @@ class ModelRunner:
         out[:values.shape[0]] = values
         return out
 
+    def pass_context(self):
+        """The context every pass (and graph capture) runs in: fixed GEMM row counts when batch-invariant."""
+        return fixed_rows(ROWS if self.batch_invariant else None)
+
     # ---- the passes on plain inputs (what every rank of a multi-rank run also calls) -----------------
     @torch.no_grad()
     def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False,
                    pending: tuple | None = None):
+        with self.pass_context():
+            return self._run_target(plan, token_ids, logit_rows, graphed, pending)
+
+    def _run_target(self, plan, token_ids, logit_rows, graphed, pending):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None). ``graphed``: replay the
         plan's CUDA graph bucket (or run its static buffers eagerly when not capturing). ``pending``:
         (positions, device tokens) of inputs that are still on the device (PENDING in ``token_ids``)."""
@@ -227,6 +239,10 @@ class ModelRunner:
     @torch.no_grad()
     def run_drafts(self, plan, X: torch.Tensor, inp: DraftInputs, draft_len: int, any_active: bool,
                    pick: Callable[[int, Callable[[], torch.Tensor]], Sequence[int]], graphed: bool = False) -> None:
+        with self.pass_context():
+            self._run_drafts(plan, X, inp, draft_len, any_active, pick, graphed)
+
+    def _run_drafts(self, plan, X, inp, draft_len, any_active, pick, graphed) -> None:
         """MTP catch-up pass, then (if any lane drafts) draft passes 2..draft_len. After pass j,
         ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
         logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1.

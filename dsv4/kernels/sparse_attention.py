@@ -308,8 +308,10 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     return out
 
 
-def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]."""
+def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
+                          split: int | None = None) -> torch.Tensor:
+    """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]. ``split``:
+    None = the path ``split_for`` picks for N tokens; 0 = always the single pass (batch-invariant)."""
     if not on(q):
         return sparse_sink_attention_ref(q, sources, sink, scale)
-    return _sparse_sink_attention(q, sources, sink, scale)
+    return _sparse_sink_attention(q, sources, sink, scale, split)

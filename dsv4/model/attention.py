@@ -20,6 +20,7 @@ from .ops import (apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rop
                   topk_mask)
 from .fused import FusedLinears, project
 from .rope import layer_inv_freq
+from .rows import Linear, grouped_linear
 
 
 class AttentionBackend(Protocol):
@@ -104,8 +105,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
         self.coff = kind_spec(ratio).coff
-        self.wkv = nn.Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
-        self.wgate = nn.Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
+        self.wkv = Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
+        self.wgate = Linear(cfg.hidden_size, self.coff * head_dim, bias=False)
         self.ape = nn.Parameter(torch.empty(ratio, self.coff * head_dim, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
         self.inv_freq: torch.Tensor | None = None  # the layer's rope table, set by the attention layer
@@ -146,8 +147,8 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, 4, self.head_dim)
 
     def select(self, xs: dict, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compressed,
@@ -171,14 +172,14 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer_id, self.compress_ratio = cfg, layer_id, compress_ratio
         d, H, D, q = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-        self.wq_a = nn.Linear(d, q, bias=False)
+        self.wq_a = Linear(d, q, bias=False)
         self.q_norm = RMSNorm(q, cfg.norm_eps)
-        self.wq_b = nn.Linear(q, H * D, bias=False)
-        self.wkv = nn.Linear(d, D, bias=False)
+        self.wq_b = Linear(q, H * D, bias=False)
+        self.wkv = Linear(d, D, bias=False)
         self.kv_norm = RMSNorm(D, cfg.norm_eps)
         # grouped output projection: each group of H/g heads -> o_lora, then all groups -> d
-        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.compressor = Compressor(cfg, compress_ratio, D) if compress_ratio > 0 else None
         self.indexer = Indexer(cfg) if kind_spec(compress_ratio).has_indexer else None
@@ -242,6 +243,6 @@ class Attention(nn.Module):
         o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
-        o = torch.einsum("ngi,goi->ngo", o, wo_a)  # [N, g, o_lora]
+        o = grouped_linear(o, wo_a)  # [N, g, o_lora]
         return self.wo_b(o.flatten(1))
 

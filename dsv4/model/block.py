@@ -9,6 +9,7 @@ from ..config import ModelConfig
 from .attention import Attention, AttentionBackend, RMSNorm
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
+from .rows import Linear
 
 
 class Block(nn.Module):
@@ -47,8 +48,8 @@ class MTPBlock(Block):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__(cfg, layer_id, compress_ratio=0, is_hash=False)
         d, n = cfg.hidden_size, cfg.hc_mult
-        self.e_proj = nn.Linear(d, d, bias=False)
-        self.h_proj = nn.Linear(d, d, bias=False)
+        self.e_proj = Linear(d, d, bias=False)
+        self.h_proj = Linear(d, d, bias=False)
         self.enorm = RMSNorm(d, cfg.norm_eps)
         self.hnorm = RMSNorm(d, cfg.norm_eps)
         self.norm = RMSNorm(d, cfg.norm_eps)

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .rows import Linear, linear
 
 
 class FusedLinears:
@@ -22,7 +23,7 @@ class FusedLinears:
 
     def __init__(self, named: list[tuple[str, nn.Linear]]):
         for name, m in named:  # one F.linear replaces their forwards: only plain bias-free linears qualify
-            if type(m) is not nn.Linear or m.bias is not None:
+            if type(m) not in (nn.Linear, Linear) or m.bias is not None:
                 raise TypeError(f"FusedLinears: {name!r} is a {type(m).__name__} (bias: {m.bias is not None});"
                                 " only plain bias-free nn.Linear modules can share one GEMM")
         self.names = [name for name, _ in named]
@@ -34,7 +35,7 @@ class FusedLinears:
             off += n
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, F.linear(x, self.weight).split(self.sizes, dim=-1)))
+        return dict(zip(self.names, linear(x, self.weight).split(self.sizes, dim=-1)))
 
 
 def project(x: torch.Tensor, fused: FusedLinears | None, named: Callable[[], list[tuple[str, nn.Linear]]]) -> dict:

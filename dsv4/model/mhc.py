@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from ..kernels import mhc as kernel
+from .rows import linear
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """W v with v = flatten(X) / rms(flatten(X)) (unweighted RMS over all n*d values): [N, rows]."""
     flat = X.flatten(1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return flat @ fn.float().t()
+    return linear(flat, fn.float())
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,

@@ -14,6 +14,7 @@ from .attention import AttentionBackend, RMSNorm
 from .block import Block, MTPBlock
 from .dense import DenseBackend
 from .mhc import hc_head
+from .rows import Linear
 
 
 class MTPUnavailableError(RuntimeError):
@@ -29,7 +30,7 @@ class DeepseekV4(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, i, r, cfg.is_hash_layer(i)) for i, r in enumerate(cfg.compress_ratios))
         self.norm = RMSNorm(d, cfg.norm_eps)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.head = Linear(d, cfg.vocab_size, bias=False)
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * d, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))

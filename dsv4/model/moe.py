@@ -11,6 +11,7 @@ from .. import kernels
 from ..config import ModelConfig
 from .fused import FusedLinears, project
 from .ops import swiglu_to
+from .rows import Linear, linear
 
 
 class Gate(nn.Module):
@@ -30,7 +31,7 @@ class Gate(nn.Module):
 
             return route(x, self.weight, None if self.is_hash else self.bias, self.tid2eid if self.is_hash else None,
                          token_ids, self.cfg.n_experts_per_tok, self.cfg.score_func, self.cfg.route_scale)
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())
         if self.cfg.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif self.cfg.score_func == "sigmoid":
@@ -93,9 +94,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         d, I = cfg.hidden_size, cfg.moe_inter_dim
         self.limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0
-        self.w1 = nn.Linear(d, I, bias=False)
-        self.w2 = nn.Linear(I, d, bias=False)
-        self.w3 = nn.Linear(d, I, bias=False)
+        self.w1 = Linear(d, I, bias=False)
+        self.w2 = Linear(I, d, bias=False)
+        self.w3 = Linear(d, I, bias=False)
         self.fused: FusedLinears | None = None
 
     def input_linears(self) -> list[tuple[str, nn.Linear]]:

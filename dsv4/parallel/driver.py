@@ -89,7 +89,7 @@ def serve(group: RankGroup) -> None:
     _, model = load_rank_model(setup.model, group, setup.mapping, r.dtype, setup.with_mtp, r.engine.seed)
     device = group.device_of_rank()
     storage = make_storage(r, device)
-    runner = LaneRunner(model, storage, device, r.engine.attention_backend)
+    runner = LaneRunner(model, storage, device, r.engine.attention_backend, r.engine.batch_invariant)
     build_graphs(runner, r.graphs)  # with the driver and every rank: same buckets, same order
     group.gather("ready")
     counts = {}
@@ -135,7 +135,8 @@ class DistributedEngine(LLMEngine):
         managers = [KVCacheManager(r.layout, r.num_slots, r.num_blocks) for _ in range(lanes)]
         lane_of: dict = {}
         cache = managers[0] if lanes == 1 else LaneCaches(managers, lane_of, r.layout, r.num_slots)
-        runner = DistributedRunner(model, storage, r.device, engine_cfg.attention_backend, group, mapping)
+        runner = DistributedRunner(model, storage, r.device, engine_cfg.attention_backend, group, mapping,
+                                   batch_invariant=engine_cfg.batch_invariant)
         runner.lane_of = lane_of
         scheduler = None if lanes == 1 else DataParallelScheduler(
             [Scheduler(m, engine_cfg.max_batch_size, engine_cfg.max_num_tokens) for m in managers], lane_of)

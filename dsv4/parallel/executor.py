@@ -150,8 +150,8 @@ class DistributedRunner(LaneRunner):
     supports_overlap = False
     drafts_from_device = False  # acceptance is read on the host: the draft inputs are sent to the ranks
 
-    def __init__(self, model, storage, device, attention_backend, group, mapping):
-        super().__init__(model, storage, device, attention_backend)
+    def __init__(self, model, storage, device, attention_backend, group, mapping, batch_invariant: bool = False):
+        super().__init__(model, storage, device, attention_backend, batch_invariant)
         self.group, self.mapping = group, mapping
         self.dp = mapping.attention_dp
         self.lane_of: dict = {}  # attention DP: request id -> lane (the engine's scheduler fills it)

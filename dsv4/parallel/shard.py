@@ -14,13 +14,13 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
 from ..model.model import DeepseekV4
 from ..model.ops import swiglu_to
+from ..model.rows import Linear, linear
 from .comm import Collectives
 from .mapping import ParallelMapping
 
@@ -81,7 +81,7 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelM
     return out
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """``wo_b`` over this rank's input columns (its heads' groups); the partial outputs are summed."""
 
     def __init__(self, in_features: int, out_features: int, comm: Collectives):
@@ -89,7 +89,7 @@ class RowParallelLinear(nn.Linear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(F.linear(x, self.weight))
+        return self.comm.all_reduce(linear(x, self.weight))
 
 
 class ParallelExperts(nn.Module):
@@ -169,9 +169,9 @@ def _parallelize(model: DeepseekV4, cfg: ModelConfig, m: ParallelMapping, comm: 
         attn = blk.attn
         if t > 1:
             H_l, g_l = cfg.num_heads // t, g // t
-            attn.wq_b = nn.Linear(cfg.q_lora_rank, H_l * D, bias=False)
+            attn.wq_b = Linear(cfg.q_lora_rank, H_l * D, bias=False)
             attn.attn_sink = nn.Parameter(torch.empty(H_l, dtype=torch.float32))
-            attn.wo_a = nn.Linear(cfg.num_heads * D // g, g_l * o, bias=False)
+            attn.wo_a = Linear(cfg.num_heads * D // g, g_l * o, bias=False)
             attn.wo_b = RowParallelLinear(g_l * o, cfg.hidden_size, comm)
         if m.world_size > 1:
             E_l = cfg.n_routed_experts // m.ep

@@ -1,0 +1,73 @@
+"""Batch invariance: every row's matrix products computed the same way whatever else the step holds.
+
+A GEMM library picks its kernel (tile shape, split-K) from the problem size, so the same row multiplied in a
+batch of 8 rows and in a batch of 16 can round differently: in bf16 the greedy output with MTP on (verify
+steps of 1 + k rows per request) then drifts from MTP off within a few tokens. Every other op of a decode or
+verify step is already per row (norms, RoPE, mHC, the router, the grouped-GEMM MoE with fixed tiles, the
+attention when its split does not follow the batch). Under ``fixed_rows(R)`` each projection runs on chunks of
+exactly R rows (the last one padded with zeros), so its kernel, and with it every row's rounding, is the same
+for any batch; the engine's ``batch_invariant`` setting enters it around every pass. Outside it (the default)
+a projection is one plain GEMM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROWS = 128  # rows per GEMM under batch invariance: a decode/verify step of 32 requests x (1 + 3 drafts) in one
+_fixed: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_fixed_rows", default=None)
+
+
+@contextlib.contextmanager
+def fixed_rows(rows: int | None = ROWS):
+    """Projections inside run on chunks of ``rows`` rows (None: no change)."""
+    token = _fixed.set(rows)
+    try:
+        yield
+    finally:
+        _fixed.reset(token)
+
+
+def active() -> bool:
+    """Whether the code running now is under ``fixed_rows`` (the attention then keeps one path for any batch)."""
+    return _fixed.get() is not None
+
+
+def _chunked(x: torch.Tensor, rows: int, fn) -> torch.Tensor:
+    """``fn`` over ``x``'s leading dim in chunks of exactly ``rows`` (zero-padded), results concatenated."""
+    M = x.shape[0]
+    pad = -M % rows
+    if pad or M == 0:
+        x = torch.cat([x, x.new_zeros(pad or rows, *x.shape[1:])])
+    return torch.cat([fn(c) for c in x.split(rows)])[:M]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias), per row the same for any number of rows under ``fixed_rows``."""
+    rows = _fixed.get()
+    if rows is None:
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    return _chunked(flat, rows, lambda c: F.linear(c, weight)).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, g, i], weight [g, o, i] -> [N, g, o]: each group's rows times its own weight."""
+    rows = _fixed.get()
+    if rows is None:
+        return torch.einsum("ngi,goi->ngo", x, weight)
+    return _chunked(x, rows, lambda c: torch.einsum("ngi,goi->ngo", c, weight))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product follows ``fixed_rows`` (same parameters and state-dict names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return linear(x, self.weight) + self.bias
+        return linear(x, self.weight)
