@@ -457,3 +457,24 @@ def test_ctrl_c_during_the_run_prints_a_partial_report(tmp_path, monkeypatch, ca
     assert rc == 130 and 0 < finished < 6 and "Traceback" not in err
     assert "(completed / failed):" in out and f"{finished} / {6 - finished}" in out
     assert "interrupted (SIGINT) before it finished" in out
+
+
+# the checkpoint's tensors as two ranks read them (each its own shard of the weights)
+TP2_CASES = ["truncated", "missing tensor", "wrong shape", "integer weights"]
+
+
+@pytest.mark.parametrize("name", TP2_CASES)
+def test_a_bad_checkpoint_is_a_message_at_tp2(good_checkpoint, tmp_path, capfd, name):
+    import re
+    import shutil
+
+    from dsv4.bench import cli
+
+    _, breaks, words = next(c for c in BAD_CHECKPOINTS if c[0] == name)
+    base, ds = good_checkpoint
+    d = tmp_path / "broken"
+    shutil.copytree(base, d)
+    breaks(d)
+    rc = cli.main(["--model", str(d), "throughput", "--dataset", str(ds), "--tp", "2", "--threads", "1"])
+    err = capfd.readouterr().err  # capfd: the worker ranks' stderr too
+    assert rc == 2 and re.search(words, err) and "Traceback" not in err, err
