@@ -13,8 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
-
 import torch
 
 from ..cache.manager import SeqStep
@@ -35,14 +33,6 @@ log = logging.getLogger("dsv4")
 
 class RequestError(ValueError):
     """A request this engine cannot serve (too long, bad token ids); only that request is refused."""
-
-
-@dataclass(frozen=True)
-class OverlappedStep(LaunchedStep):
-    """A step the overlap scheduler left running, with the logprobs of its tokens (for the requests that ask),
-    computed on the device at launch and read back with the tokens."""
-
-    logprobs: StepLogprobs | None = None
 
 
 class LLMEngine:
@@ -71,7 +61,7 @@ class LLMEngine:
         self.last_step: dict = {}  # a summary of the last step (for iteration logs)
         # the overlap scheduler (see ``step``); a benchmark may switch it between steps
         self.overlap_scheduler = not engine_cfg.disable_overlap_scheduler
-        self._pending: OverlappedStep | None = None  # the overlapped step whose tokens are not read back yet
+        self._pending: LaunchedStep | None = None  # the overlapped step whose tokens are not read back yet
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -184,7 +174,7 @@ class LLMEngine:
         """Leave this step's tokens on the device (a step that samples nothing has none)."""
         return self.overlaps_steps and any(s.sample for s in seqs)
 
-    def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> OverlappedStep:
+    def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
         """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
         request's generator, as the synchronous step draws them) and queued for the host, their logprobs
         behind them; each sampled request counts one pending token until ``_resolve`` reads it."""
@@ -200,9 +190,9 @@ class LLMEngine:
                 req.num_pending += 1
                 asks.append(req.params.logprobs)
         host = HostCopy(tokens)  # (queued first: read first)
-        return OverlappedStep(seqs, tokens, row_of, host, StepLogprobs.launch(rows, tokens, [1] * len(asks), asks))
+        return LaunchedStep(seqs, tokens, row_of, host, StepLogprobs.launch(rows, tokens, [1] * len(asks), asks))
 
-    def _resolve(self, step: OverlappedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
+    def _resolve(self, step: LaunchedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
         """Read back an overlapped step's tokens (and logprobs) and append them (a request that ended
         meanwhile, by an abort or at an earlier stop token, drops its token)."""
         toks = step.host.tolist()

@@ -118,6 +118,7 @@ class LaunchedStep:
     tokens: torch.Tensor  # [R] device, the sampled requests in step order
     row_of: dict  # request id -> its row of ``tokens``
     host: HostCopy
+    logprobs: object = None  # sampler.StepLogprobs of the tokens, for the requests that ask (read with them)
 
 
 def pending_inputs(seqs: Sequence[ScheduledSeq], prev: LaunchedStep | None) -> tuple[list[int], list[int]]:
