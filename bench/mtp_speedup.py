@@ -54,10 +54,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="flash-L4-E32")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                    help="requests in flight (one model build per k serves every concurrency)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--p-right", type=float, default=0.8)
+    ap.add_argument("--p-right", type=float, nargs="*", default=[0.8],
+                    help="oracle drafter rows: the chance each draft is the known answer (none: MTP rows only)")
     ap.add_argument("--no-gap", action="store_true",
                     help="skip the logit-gap column (it keeps MTP off's model alive beside the next one: a model"
                          " of Flash's depth does not fit twice)")
@@ -68,50 +70,59 @@ def main():
                          " reference holds at any concurrency")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    if args.ks[0] != 0:
+        ap.error("--ks must start with 0: MTP off is the reference (its tokens and its speed)")
     cfg = get_preset(args.preset)
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
+    most = max(args.concurrency)
+    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(most)]
     sp = SamplingParams(max_tokens=args.gen, ignore_eos=True)
     common = dict(device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
-                  max_batch_size=args.concurrency, max_num_tokens=4096, max_seq_len=args.prompt_len + args.gen + 8,
+                  max_batch_size=most, max_num_tokens=4096, max_seq_len=args.prompt_len + args.gen + 8,
                   kv_cache_config={"free_gpu_memory_fraction": 0.2}, batch_invariant=args.batch_invariant)
-    rows, ref = [], None
+    rows = []
+    ref: dict = {}  # prompt -> MTP off's tokens (the same at every concurrency only when batch-invariant)
+    off_speed: dict[int, float] = {}
     ref_model = None
     for k in args.ks:
         llm = LLM(args.preset, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None,
                   **common)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # untimed: compiles this run's kernels
-        for label, hook in (("MTP", None), (f"oracle drafter p={args.p_right}", True)):
-            if k == 0 and hook:
-                continue
-            rewrite_drafts(llm.engine, oracle(ref, args.p_right) if hook else None)
-            llm.engine.reset_stats()
-            t, out = timed(lambda llm=llm: llm.generate(prompts, sp), repeat=args.repeat)
-            toks = [o.outputs[0].token_ids for o in out]
-            if ref is None:
-                ref = {tuple(p): o for p, o in zip(prompts, toks)}
-            pairs = [(ref[tuple(p)], o) for p, o in zip(prompts, toks)]
-            same = sum(a == b for r, o in pairs for a, b in zip(r, o)) / sum(len(r) for r, _ in pairs)
-            first = min(next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in pairs)
-            if k == 0 and not args.no_gap:
-                ref_model = llm.model
-            gap = ("-" if k == 0 or hook or ref_model is None
-                   else _divergence_gap(ref_model, prompts, [o for _, o in pairs], ref))
-            st = llm.get_stats()["speculative"] or {}
-            rows.append([k, label if k else "off", args.concurrency * args.gen / t,
-                         f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
-                         f"{same:.3f}", first, gap])
+        for c in args.concurrency:
+            batch = prompts[:c]
+            drafters = [("MTP", None)] + ([] if k == 0 else [(f"oracle p={p}", p) for p in args.p_right])
+            for label, p in drafters:
+                rewrite_drafts(llm.engine, oracle(ref[c], p) if p is not None else None)
+                llm.engine.reset_stats()
+                t, out = timed(lambda llm=llm, batch=batch: llm.generate(batch, sp), repeat=args.repeat)
+                toks = [o.outputs[0].token_ids for o in out]
+                if k == 0:
+                    ref[c] = {tuple(q): o for q, o in zip(batch, toks)}
+                    off_speed[c] = c * args.gen / t
+                pairs = [(ref[c][tuple(q)], o) for q, o in zip(batch, toks)]
+                same = sum(a == b for r, o in pairs for a, b in zip(r, o)) / sum(len(r) for r, _ in pairs)
+                first = min(next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in pairs)
+                if k == 0 and not args.no_gap:
+                    ref_model = llm.model
+                gap = ("-" if k == 0 or p is not None or ref_model is None
+                       else _divergence_gap(ref_model, batch, [o for _, o in pairs], ref[c]))
+                st = llm.get_stats()["speculative"] or {}
+                speed = c * args.gen / t
+                rows.append([c, k, label if k else "off", speed, f"{speed / off_speed[c]:.2f}x",
+                             f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
+                             f"{same:.3f}", first, gap])
         rewrite_drafts(llm.engine, None)
         del llm  # before the next model is built: a model of Flash's depth fits once
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    text = table(["k", "drafts", "output tok/s", "acceptance", "mean accepted len", "tokens identical to MTP off",
-                  "first divergence", "logit gap there (top-2 gap, median elsewhere)"], rows)
-    report(f"MTP on vs off, {args.preset}, concurrency {args.concurrency}, {args.gen} output tokens"
+    text = table(["concurrency", "k", "drafts", "output tok/s", "vs off", "acceptance", "mean accepted len",
+                  "tokens identical to MTP off", "first divergence",
+                  "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))
+    report(f"MTP on vs off, {args.preset}, {args.gen} output tokens"
            + (", batch-invariant" if args.batch_invariant else ""), text,
            args.append, notes="Random weights: the real MTP layer is almost never right; the oracle rows show the"
-                              " speed-up at a known acceptance.")
+                              " speed-up at a known acceptance (meaningful where MTP on gives MTP off's tokens).")
 
 
 if __name__ == "__main__":
