@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,46 +73,104 @@ class Server:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The server process, and (built while it starts) the in-process reference ``LLM`` as ``server.llm``."""
-    d = tmp_path_factory.mktemp("serve")
-    yml = d / "mtp.yml"
-    yml.write_text("speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 2\n")
+def _launch(d, args: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """``dsv4 serve mini`` with these arguments on a free port (its output in ``d/server.log``)."""
     port = _free_port()
     log_path = str(d / "server.log")
     env = dict(os.environ, **{CHECK_CACHE: "1"})  # the cache's integrity check after every step and when idle
-    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "mini", "--port", str(port), "--max_batch_size", "32",
-           "--max_num_tokens", "512", "--max_seq_len", str(MAX_SEQ_LEN), "--extra_llm_api_options", str(yml),
-           "--threads", "1", "--api_key", KEY, "--max_request_bytes", "65536"]
+    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "mini", "--port", str(port), "--threads", "1"] + args
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}", log_path
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited ({proc.returncode}):\n{open(log_path).read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise AssertionError(f"the server did not start:\n{open(log_path).read()}")
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the server did not stop within 20 s of its signal") from None
+
+
+def _engine_pids(url: str) -> tuple[int, int]:
+    """(the engine's pid, the HTTP server's pid), from /metrics' ``dsv4:engine_info``."""
+    return _engine_pids_of(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def _engine_pids_of(metrics_text: str) -> tuple[int, int]:
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == "dsv4:engine_info":
+                return int(s.labels["pid"]), int(s.labels["server_pid"])
+    raise AssertionError("/metrics has no dsv4:engine_info")
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie waiting to be reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while _running(pid):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server process, and (built while it starts) the in-process reference ``LLM`` as ``server.llm``. At
+    the end: SIGTERM stops it and its engine process with it, with no traceback in its log."""
+    d = tmp_path_factory.mktemp("serve")
+    yml = d / "mtp.yml"
+    yml.write_text("speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 2\n")
+    proc, url, log_path = _launch(d, ["--max_batch_size", "32", "--max_num_tokens", "512", "--max_seq_len",
+                                      str(MAX_SEQ_LEN), "--extra_llm_api_options", str(yml), "--api_key", KEY,
+                                      "--max_request_bytes", "65536"])
+    engine_pid = None
     try:
         reference = LLM("mini", **SETTINGS)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"the server exited ({proc.returncode}):\n{open(log_path).read()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise AssertionError(f"the server did not start:\n{open(log_path).read()}")
-            time.sleep(0.2)
+        _wait_healthy(proc, url, log_path)
+        engine_pid = _engine_pids(url)[0]
         srv = Server(url, proc, log_path)
         srv.llm = reference
         yield srv
+        # uvicorn shuts down gracefully, then re-raises the signal: killed by SIGTERM, after a clean stop
+        assert _stop(proc) in (0, -signal.SIGTERM), open(log_path).read()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
     log = open(log_path).read()
     assert "Traceback" not in log, log  # no handler failed, nothing crashed in the engine loop
+    if engine_pid is not None and os.path.isdir("/proc"):
+        assert _gone_within(engine_pid, 5), f"the engine process {engine_pid} outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +292,65 @@ def test_sampling_seed_and_n(server, llm):
     assert two.usage.completion_tokens == len(ref.token_ids) + len(ref1.token_ids)
     g = server.client.completions.create(model="mini", prompt=prompt, max_tokens=6, temperature=0, n=3)
     assert len({c.text for c in g.choices}) == 1 and g.usage.completion_tokens == 3 * 6
+
+
+# ---- logprobs -----------------------------------------------------------------------------------------
+LP_TOL = 1e-4  # the server's batch and this process's are computed apart (fp32 on the CPU)
+
+
+def _close(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(abs(got[k] - want[k]) < LP_TOL for k in want)
+
+
+def test_completions_logprobs_equal_generate(server, llm):
+    """OpenAI's legacy shape: per completion token its text, its logprob, the chosen token and the top n as
+    {text: logprob}, and where its text starts; streamed chunks add up to the whole answer."""
+    tok = llm.tokenizer
+    ids = tok.encode(prompts(2)[1]).ids
+    ref = greedy(llm, ids, 12, logprobs=3)
+    text = [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    kw = dict(model="mini", prompt=ids, max_tokens=12, temperature=0, logprobs=3)
+    whole = server.client.completions.create(**kw)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == text and whole.usage.completion_tokens == len(text)
+    assert all(abs(a - b[t]) < LP_TOL for a, b, t in zip(lp.token_logprobs, ref.logprobs, ref.token_ids))
+    assert all(_close(got, {tok.decode([k], skip_special_tokens=False): v for k, v in want.items()})
+               for got, want in zip(lp.top_logprobs, ref.logprobs))
+    assert all(len(top) in (3, 4) for top in lp.top_logprobs)  # the top 3, and the chosen token if not among them
+    assert lp.text_offset == [sum(len(x) for x in text[:i]) for i in range(len(text))]
+    _, _, chunks = _stream_completion(server, **kw)
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(parts) > 1  # several chunks carried logprobs
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in getattr(p, field)] == getattr(lp, field), field
+    plain = server.client.completions.create(model="mini", prompt=ids, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_equal_generate(server, llm):
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: the top n, best first}]}, streamed
+    and whole; logprobs true alone gives each token's logprob and no top list."""
+    tok = llm.tokenizer
+    messages = [{"role": "user", "content": prompts(1)[0]}]
+    ids = server.http("POST", "/tokenize", json={"messages": messages}).json()["tokens"]
+    ref = greedy(llm, ids, 10, logprobs=2)
+    kw = dict(model="mini", messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    whole = server.client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == len(ref.token_ids) == whole.usage.completion_tokens
+    for c, t, want in zip(content, ref.token_ids, ref.logprobs):
+        assert c.token == tok.decode([t], skip_special_tokens=False) and c.bytes == list(c.token.encode())
+        assert abs(c.logprob - want[t]) < LP_TOL
+        best = sorted(want.items(), key=lambda kv: -kv[1])[:2]
+        assert [x.token for x in c.top_logprobs] == [tok.decode([k], skip_special_tokens=False) for k, _ in best]
+        assert all(abs(x.logprob - v) < LP_TOL for x, (_, v) in zip(c.top_logprobs, best))
+    _, _, _, _, chunks = _chat_stream(server, **kw)
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in content]
+    bare = server.client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert [(x.token, x.top_logprobs) for x in bare.choices[0].logprobs.content] == [(x.token, []) for x in content]
+    assert server.client.chat.completions.create(model="mini", messages=messages, max_tokens=2,
+                                                 temperature=0).choices[0].logprobs is None
 
 
 # ---- chat -------------------------------------------------------------------------------------------
@@ -405,7 +523,12 @@ BAD = [  # (what, path, json body or raw bytes, status, param)
     ("top_p 0", "/v1/completions", {"model": "mini", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("n 0", "/v1/completions", {"model": "mini", "prompt": "x", "n": 0}, 400, "n"),
     ("n too large", "/v1/completions", {"model": "mini", "prompt": "x", "n": 1000}, 400, "n"),
-    ("logprobs", "/v1/completions", {"model": "mini", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("logprobs over 20", "/v1/completions", {"model": "mini", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("negative logprobs", "/v1/completions", {"model": "mini", "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": "mini", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions", {"model": "mini", "messages": [
+        {"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("stream_options without stream", "/v1/completions",
      {"model": "mini", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("empty stop string", "/v1/completions", {"model": "mini", "prompt": "x", "stop": [""]}, 400, "stop"),
@@ -442,3 +565,82 @@ def test_api_key_and_client_errors(server):
     assert "maximum context length" in str(e.value)
     assert server.http("GET", "/nowhere").status_code == 404
     server.wait_idle()  # nothing refused was left in the engine
+
+
+# ---- the engine's own process ----------------------------------------------------------------------------
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
+SMALL = ["--max_batch_size", "4", "--max_num_tokens", "128", "--max_seq_len", "256"]
+
+
+@needs_proc
+def test_the_engine_runs_in_a_child_process(server):
+    engine, http = _engine_pids(server.url)
+    assert http == server.proc.pid and engine != http
+    assert _parent(engine) == server.proc.pid and _running(engine)
+
+
+@needs_proc
+def test_a_killed_server_leaves_no_engine_behind(tmp_path):
+    """SIGKILL gives the server no chance to stop its engine: the engine sees its connection close and ends."""
+    proc, url, log_path = _launch(tmp_path, SMALL)
+    try:
+        _wait_healthy(proc, url, log_path)
+        engine, _ = _engine_pids(url)
+        r = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "def f(x):", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.kill()
+        proc.wait(10)
+        assert _gone_within(engine, 10), f"the engine process {engine} outlived its killed server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@needs_proc
+def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(tmp_path):
+    """The engine process killed mid-stream: the stream ends with an error event, /health says 503, a new
+    request gets a 503 in OpenAI's error shape; SIGINT still stops the server cleanly."""
+    proc, url, log_path = _launch(tmp_path, SMALL)
+    try:
+        _wait_healthy(proc, url, log_path)
+        engine, _ = _engine_pids(url)
+        body = {"model": "mini", "prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
+            os.kill(engine, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["type"] == "server_error" and "engine" in err["message"], err
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+        r = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert _stop(proc, signal.SIGINT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = open(log_path).read()
+    assert "the engine process has ended" in log and "Traceback" not in log, log
+
+
+def test_build_app_serves_an_llm_built_in_this_process():
+    """``build_app(llm)``: the engine loop in a thread of this process (no engine process), same answers."""
+    from fastapi.testclient import TestClient
+
+    from dsv4.serve import build_app
+
+    small = LLM("mini", max_batch_size=4, max_num_tokens=128, max_seq_len=256)
+    ids = small.tokenizer.encode("def f(x):").ids
+    want = text_of(small, greedy(small, ids, 6).token_ids)
+    app = build_app(small, "mini")
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"model": "mini", "prompt": ids, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert _engine_pids_of(c.get("/metrics").text) == (os.getpid(), os.getpid())
+    assert c.app.state.dsv4.engine.error is not None  # stopped with the app
+    assert not small.engine.has_unfinished_requests()

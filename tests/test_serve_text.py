@@ -16,7 +16,7 @@ from dsv4.checkpoint.tokenizer import load_tokenizer
 from dsv4.serve.chat import ChatEncoder, chat_options, encode_dsv4, render_tool_calls
 from dsv4.serve.detokenizer import IncrementalDetokenizer, OutputText
 from dsv4.serve.job import Choice
-from dsv4.serve.loop import Event
+from dsv4.serve.client import Event
 from dsv4.serve.parsers import ReasoningParser, ToolCallParser
 from dsv4.serve.protocol import ApiError, ChatCompletionRequest
 

@@ -1,8 +1,9 @@
 """The HTTP API (FastAPI): OpenAI's ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, plus
 ``/health``, ``/version``, ``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's shapes).
 
-``build_app(llm, ...)`` serves an ``LLM`` already built; ``launch.py`` builds one from the command line. The
-handlers check each request (400 with OpenAI's error JSON for anything wrong in it), turn it into engine
+``build_app(engine, ...)`` serves an ``EngineProcess`` (``launch.py``'s: the engine in a process of its own)
+or an ``LLM`` already built in this process (its engine loop then runs in a thread here). The handlers check
+each request (400 with OpenAI's error JSON for anything wrong in it), turn it into engine
 requests (one per choice), and answer from the engine loop's events, streamed as server-sent events or whole.
 A client that goes away has its requests aborted in the engine, wherever they are.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,12 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from .chat import ChatEncoder, chat_options
 from .detokenizer import OutputText
+from .client import EngineClient
 from .guard import Guard
+from .host import EngineProcess, EngineThread
 from .job import Choice, Job
-from .loop import EngineLoop
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import ReasoningParser, ToolCallParser
 from .protocol import (MAX_N, MAX_STOP_STRINGS, ApiError, ChatCompletionRequest, CompletionRequest,
@@ -38,18 +41,19 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 class ServerState:
-    """What the handlers share: the engine loop, the tokenizer, the chat encoder, the metrics."""
+    """What the handlers share: the engine (a client of its loop), the tokenizer, the chat encoder, the
+    metrics. ``host``: an ``EngineProcess`` or ``EngineThread``."""
 
-    def __init__(self, llm, model_name: str, chat_template: str | None = None):
-        self.llm = llm
+    def __init__(self, host, model_name: str, chat_template: str | None = None):
         self.model_name = model_name
-        self.tokenizer = llm.tokenizer
-        engine = llm.engine
-        self.max_seq_len = engine.max_seq_len
-        self.vocab_size = llm.model_config.vocab_size
-        self.eos_token_id = llm.model_config.eos_token_id
+        self.tokenizer = host.tokenizer
+        info = host.info
+        self.max_seq_len = info.max_seq_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = info.eos_token_id
         self.metrics = ServerMetrics(model_name)
-        self.loop = EngineLoop(engine, self.metrics)
+        self.metrics.m(self.metrics.engine).info({"pid": str(info.pid), "server_pid": str(os.getpid())})
+        self.engine = EngineClient(host, self.metrics)
         self.encoder = ChatEncoder(chat_template)
 
 
@@ -89,8 +93,9 @@ def _stops(body) -> list[str]:
 
 
 def _params(state: ServerState, body, max_tokens: int | None, prompt_len: int, default_max: int | None,
-            choice: int) -> SamplingParams:
-    """One choice's SamplingParams, after checking the prompt and max_tokens against max_seq_len."""
+            choice: int, logprobs: int | None) -> SamplingParams:
+    """One choice's SamplingParams, after checking the prompt and max_tokens against max_seq_len.
+    ``logprobs``: None, or the top logprobs to return with each token (SamplingParams.logprobs)."""
     L = state.max_seq_len
     if prompt_len >= L:
         raise ApiError(f"This model's maximum context length is {L} tokens; the prompt has {prompt_len} tokens"
@@ -114,7 +119,8 @@ def _params(state: ServerState, body, max_tokens: int | None, prompt_len: int, d
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=seed,
-                              stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, detokenize=False)
+                              stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, detokenize=False,
+                              logprobs=logprobs)
     except ValueError as e:
         name = str(e).split()[0].removeprefix("SamplingParams.")
         raise ApiError(str(e).replace("SamplingParams.", ""), param=name) from None
@@ -150,6 +156,47 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[lis
             raise ApiError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {state.vocab_size})",
                            param="prompt")
     return ids
+
+
+# ---- logprobs in OpenAI's shapes ---------------------------------------------------------------------
+def _token_text(state: ServerState, token_id: int) -> str:
+    """A token's own text (special tokens included), as vLLM shows tokens in logprobs; a token holding part of
+    a UTF-8 character shows U+FFFD."""
+    return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # (as vLLM: JSON has no -Infinity)
+
+
+def _completion_logprobs(state: ServerState, entries: list[tuple[int, dict]], offset: int) -> tuple[dict, int]:
+    """The legacy completions shape for these (token, logprobs) entries, their text starting at character
+    ``offset`` of the choice; returns it and the offset after them. ``top_logprobs``: the chosen token and the
+    top n (up to n + 1 entries, as OpenAI's legacy API)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for t, lps in entries:
+        text = _token_text(state, t)
+        tokens.append(text)
+        token_logprobs.append(_finite(lps[t]))
+        top.append({_token_text(state, k): _finite(v) for k, v in lps.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+
+
+def _chat_logprob(state: ServerState, token_id: int, logprob: float) -> dict:
+    text = _token_text(state, token_id)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(state: ServerState, entries: list[tuple[int, dict]], top_n: int) -> dict:
+    """The chat shape: per token its logprob and the ``top_n`` most likely tokens, best first."""
+    content = []
+    for t, lps in entries:
+        best = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**_chat_logprob(state, t, lps[t]),
+                        "top_logprobs": [_chat_logprob(state, k, v) for k, v in best]})
+    return {"content": content}
 
 
 # ---- answering --------------------------------------------------------------------------------------
@@ -216,8 +263,6 @@ async def _run_whole(state: ServerState, job: Job, request: Request) -> bool:
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request) -> Response:
     _check_model(state, body.model)
     _refuse_unsupported(body)
-    if body.logprobs:
-        raise ApiError("logprobs are not supported by this server yet", param="logprobs")
     if body.echo:
         raise ApiError("echo is not supported by this server", param="echo")
     if body.suffix:
@@ -233,10 +278,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     choices = []
     for p, ids in enumerate(prompts):
         for j in range(body.n):
-            sp = _params(state, body, body.max_tokens, len(ids), 16, j)
+            sp = _params(state, body, body.max_tokens, len(ids), 16, j, body.logprobs)
             choices.append((p, sp, Choice(len(choices), _output_text(state, body, sp, skip))))
     rid, created = new_id("cmpl"), now()
-    job = Job(state.loop, rid, prompts, choices)
+    job = Job(state.engine, rid, prompts, choices)
     job.start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -244,15 +289,21 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         def make_chunk(chs, usage_=None):
             return completion_chunk(rid, created, state.model_name, chs, usage_, include_usage)
 
+        offsets = [0] * len(choices)  # per choice: where the next token's text starts (text_offset)
+
         def chunk_choice(c, d):
-            return {"index": c.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            logprobs = None
+            if d.logprobs:
+                logprobs, offsets[c.index] = _completion_logprobs(state, d.logprobs, offsets[c.index])
+            return {"index": c.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
         return _stream(state, job, make_chunk, chunk_choice, [], include_usage)
     if not await _run_whole(state, job, request):
         return Response(status_code=499)  # the client is gone; nobody reads this
     out = completion_chunk(rid, created, state.model_name, [
-        {"index": c.index, "text": c.content, "logprobs": None, "finish_reason": c.finish_reason}
-        for c in job.choices])
+        {"index": c.index, "text": c.content,
+         "logprobs": _completion_logprobs(state, c.logprobs, 0)[0] if body.logprobs is not None else None,
+         "finish_reason": c.finish_reason} for c in job.choices])
     out["usage"] = usage(job.num_prompt_tokens, job.num_completion_tokens)
     return JSONResponse(out)
 
@@ -260,8 +311,11 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     _check_model(state, body.model)
     _refuse_unsupported(body)
-    if body.logprobs or body.top_logprobs:
-        raise ApiError("logprobs are not supported by this server yet", param="logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise ApiError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
     _need_tokenizer(state, "chat")
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -279,11 +333,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     skip = False if body.skip_special_tokens is None else body.skip_special_tokens
     choices = []
     for j in range(body.n):
-        sp = _params(state, body, max_tokens, len(ids), None, j)
+        sp = _params(state, body, max_tokens, len(ids), None, j, top_n)
         choices.append((0, sp, Choice(j, _output_text(state, body, sp, skip), ReasoningParser(opts.thinking),
                                       ToolCallParser() if use_tools else None)))
     rid, created = new_id("chatcmpl"), now()
-    job = Job(state.loop, rid, [ids], choices)
+    job = Job(state.engine, rid, [ids], choices)
     job.start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -300,7 +354,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             if d.tool_calls:
                 first = len(c.tool_calls) - len(d.tool_calls)
                 delta["tool_calls"] = [tc.as_openai(first + k) for k, tc in enumerate(d.tool_calls)]
-            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+            logprobs = _chat_logprobs(state, d.logprobs, top_n) if d.logprobs else None
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
         first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for j in range(body.n)]
@@ -313,7 +368,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                "reasoning_content": c.reasoning or None, "reasoning": c.reasoning or None}
         if c.tool_calls:
             msg["tool_calls"] = [tc.as_openai() for tc in c.tool_calls]
-        out["choices"].append({"index": c.index, "message": msg, "logprobs": None, "finish_reason": c.finish_reason})
+        logprobs = _chat_logprobs(state, c.logprobs, top_n) if top_n is not None else None
+        out["choices"].append({"index": c.index, "message": msg, "logprobs": logprobs,
+                               "finish_reason": c.finish_reason})
     out["usage"] = usage(job.num_prompt_tokens, job.num_completion_tokens)
     return JSONResponse(out)
 
@@ -332,16 +389,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {e.get('msg')}" if param else str(e.get("msg"))) + more, param
 
 
-def build_app(llm, model_name: str = "mini", *, api_key: str | None = None,
+def build_app(engine, model_name: str = "mini", *, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat_template: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``llm`` (its engine loop starts with the app and stops with it)."""
-    state = ServerState(llm, model_name, chat_template)
+    """The FastAPI app serving ``engine``: an ``EngineProcess`` already started, or an ``LLM`` built in this
+    process (its engine loop then runs in a thread). The app stops the engine loop (and its process) when it
+    stops."""
+    host = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
+    state = ServerState(host, model_name, chat_template)
 
     @asynccontextmanager
     async def lifespan(app):
-        state.loop.start()
-        yield
-        state.loop.stop()
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.stop()
 
     app = FastAPI(title="dsv4", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.dsv4 = state
@@ -373,8 +435,7 @@ def build_app(llm, model_name: str = "mini", *, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        if not state.loop.alive:
-            return err(503, error_body("the engine loop is not running", type="server_error"))
+        state.engine.check_alive()  # (a 503 otherwise)
         return Response(status_code=200)
 
     @app.get("/version")

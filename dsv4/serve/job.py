@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..engine.sampling_params import SamplingParams
 from .detokenizer import OutputText
-from .loop import EngineLoop, Event, Sink
+from .client import EngineClient, Event, Sink
 from .parsers import ParsedToolCall, ReasoningParser, ToolCallParser
 from .protocol import ApiError
 
@@ -26,10 +26,12 @@ class Delta:
     reasoning: str = ""
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
     finish_reason: str | None = None  # set once, on the choice's last delta
+    # (token id, its logprobs dict) per completion token this event consumed, when the request asked
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.text or self.reasoning or self.tool_calls or self.finish_reason)
+        return not (self.text or self.reasoning or self.tool_calls or self.finish_reason or self.logprobs)
 
 
 class Choice:
@@ -44,6 +46,7 @@ class Choice:
         self.content = ""
         self.reasoning = ""
         self.tool_calls: list[ParsedToolCall] = []
+        self.logprobs: list[tuple[int, dict[int, float]]] = []  # per completion token, when asked
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -61,9 +64,14 @@ class Choice:
             return Delta()
         if ev.token_ids and self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        before = self.out.num_tokens
         raw = self.out.add(ev.token_ids, ev.finish_reason)
         final = self.out.done
         d = Delta()
+        if ev.logprobs is not None:  # the tokens counted as completion tokens (not those after a stop string)
+            used = self.out.num_tokens - before
+            d.logprobs = list(zip(ev.token_ids[:used], ev.logprobs[:used]))
+            self.logprobs += d.logprobs
         text = raw
         if self.reasoning_parser is not None:
             d.reasoning, text = self.reasoning_parser.feed(text, final)
@@ -83,10 +91,10 @@ class Choice:
 
 
 class Job:
-    def __init__(self, loop: EngineLoop, request_id: str, prompts: list[list[int]],
+    def __init__(self, engine: EngineClient, request_id: str, prompts: list[list[int]],
                  choices: list[tuple[int, SamplingParams, Choice]]):
         """``choices``: (prompt index, sampling params, output state) per choice, in choice-index order."""
-        self.loop = loop
+        self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
         self.params = [sp for _, sp, _ in choices]
@@ -108,11 +116,12 @@ class Job:
         return sum(c.num_tokens for c in self.choices)
 
     def start(self) -> None:
-        aloop = asyncio.get_running_loop()
+        """Submit the choices (a 503 ``ApiError`` if the engine is not running)."""
+        self.engine.check_alive()
         self._queue = asyncio.Queue()
         for i, (p, sp) in enumerate(zip(self.prompt_of, self.params)):
             self._open.add(i)
-            self.loop.submit(self.rid(i), self.prompts[p], sp, Sink(aloop, self._queue, i, arrival=self.arrival))
+            self.engine.submit(self.rid(i), self.prompts[p], sp, Sink(self._queue, i, arrival=self.arrival))
 
     async def events(self):
         """(choice, delta) until every choice has ended. A failed choice raises ``ApiError`` (its status: 400 for
@@ -129,7 +138,7 @@ class Job:
                 if c.done:
                     self._open.discard(ev.index)
                     if ev.finish_reason is None:  # ended here (a stop string): the engine need not go on
-                        self.loop.abort(self.rid(ev.index))
+                        self.engine.abort(self.rid(ev.index))
                 if not d.empty:
                     yield c, d
 
@@ -145,13 +154,16 @@ class Job:
             if prev is None or prev.error is not None or prev.finish_reason is not None:
                 by_index.setdefault(ev.index, ev)  # (nothing follows a last event)
                 continue
-            by_index[ev.index] = Event(ev.index, prev.token_ids + ev.token_ids, ev.finish_reason, ev.error, ev.status)
+            logprobs = None if prev.logprobs is None and ev.logprobs is None else \
+                (prev.logprobs or []) + (ev.logprobs or [])  # (an error event carries none)
+            by_index[ev.index] = Event(ev.index, prev.token_ids + ev.token_ids, ev.finish_reason, ev.error, ev.status,
+                                       logprobs)
         return list(by_index.values())
 
     def close(self) -> None:
         """Abort the choices that have not ended (their cache is freed); safe to call more than once."""
         for i in sorted(self._open):
-            self.loop.abort(self.rid(i))
+            self.engine.abort(self.rid(i))
         self._open.clear()
 
     async def run(self) -> None:

@@ -1,6 +1,6 @@
 """``dsv4 serve``: trtllm-serve's command line -> the settings (the same schema and merge rule as dsv4-bench:
-the flags make the settings, the ``--extra_llm_api_options`` YAML overrides them key by key) -> an ``LLM`` ->
-the app on uvicorn.
+the flags make the settings, the ``--extra_llm_api_options`` YAML overrides them key by key) -> the engine
+process (it builds the ``LLM``; this process never does) -> the app on uvicorn in this process.
 
     dsv4 serve mini --port 8000 --extra_llm_api_options examples/mtp.yml
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 PROG = "dsv4 serve"
@@ -91,31 +92,48 @@ def run(args) -> int:
         return _fail(str(e).replace("--config", "--extra_llm_api_options"))
     for o in settings.overrides:
         print(f"{PROG}: note: {o}".replace("--config", "--extra_llm_api_options"), file=sys.stderr)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
 
     import uvicorn
 
-    from ..llm import LLM
     from .app import build_app
     from .chat import load_chat_template
+    from .host import EngineSpec
 
     path = resolve_model(args.model)
-    try:
-        llm = LLM(path, config=settings.config, warmup=True)
-    except (EngineConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
-        return _fail(f"cannot build the engine: {e}")
-    if template is None:
-        template = load_chat_template(path if os.path.isdir(path) else None)
-    name = args.served_model_name or args.model
-    app = build_app(llm, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                    chat_template=template)
-    logging.getLogger("dsv4.serve").info("serving %s on http://%s:%d (chat: %s)", name, args.host, args.port,
-                                         app.state.dsv4.encoder.source)
     level = logging.getLogger().getEffectiveLevel()
+    engine = _start_engine(EngineSpec(path, settings.config, args.threads, level))
+    if isinstance(engine, int):
+        return engine
     try:
+        if template is None:
+            template = load_chat_template(path if os.path.isdir(path) else None)
+        name = args.served_model_name or args.model
+        app = build_app(engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                        chat_template=template)
+        logging.getLogger("dsv4.serve").info("serving %s on http://%s:%d (chat: %s; engine process %d)", name,
+                                             args.host, args.port, app.state.dsv4.encoder.source, engine.info.pid)
         uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLevelName(level).lower(),
                     timeout_graceful_shutdown=5)
     finally:
-        llm.shutdown()
+        engine.stop()  # (the app's shutdown has done it, unless uvicorn never started)
     return 0
+
+
+def _start_engine(spec):
+    """The engine process, built and warmed up; or the exit status when it could not be (its error printed
+    as one line) or the start was interrupted (Ctrl-C, SIGTERM: the process is stopped, nothing is left)."""
+    from .host import EngineProcess, EngineStartError
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        return EngineProcess(spec)
+    except EngineStartError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted while the engine was starting", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -2,12 +2,13 @@
 process (tests) do not collide. Names follow vLLM's where one exists, under the ``dsv4:`` prefix.
 
 Request-level metrics are observed by the HTTP side when a request ends; engine-level ones (queue time,
-running / waiting requests, KV cache use, MTP acceptance) by the engine loop after each step.
+running / waiting requests, KV cache use, MTP acceptance) from the engine loop's message after each step.
+``dsv4:engine_info`` names the process the engine runs in (``pid``, ``server_pid``).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -56,6 +57,8 @@ class ServerMetrics:
                                      registry=r)
         self.spec_acceptance = Gauge("dsv4:spec_decode_acceptance_rate", "MTP drafts accepted / proposed, since start",
                                      labels, registry=r)
+        self.engine = Info("dsv4:engine", "The engine's process (pid) and the HTTP server's (server_pid)", labels,
+                           registry=r)
 
     def m(self, metric, **labels):
         return metric.labels(model_name=self._model, **labels)

@@ -1,0 +1,89 @@
+"""What the HTTP side and the engine loop say to each other over their connection (pickled by
+``multiprocessing.connection``; both ends are this package, in one machine). Named tuples: small, and quick to
+pickle, since one ``Step`` crosses per engine step.
+
+HTTP side -> engine loop: ``Add``, ``Abort``, ``Stop``. Engine -> HTTP side: ``Ready`` or ``Failed`` once (a
+process host's start-up), then one ``Step`` per engine step (and one when the loop goes idle), and ``Dead`` if
+the loop fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs to know of the engine (it loads the tokenizer itself, from the model path)."""
+
+    max_seq_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    pid: int  # the process the engine loop runs in
+
+
+class Add(NamedTuple):
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float  # wall-clock time (time.time()) the request reached the server: its queue time starts there
+
+
+class Abort(NamedTuple):
+    rid: str
+
+
+class Stop(NamedTuple):
+    """End the loop (the requests still in the engine are aborted)."""
+
+
+class Update(NamedTuple):
+    """What one step did to one request: the tokens it added (not those sent before); ``finish_reason`` on its
+    last update; ``error`` when it failed, with the HTTP status that fits (400: the engine refused the request;
+    500: the engine failed)."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 500
+    logprobs: list[dict[int, float]] | None = None  # one per token of token_ids, when the request asked
+
+
+class Stats(NamedTuple):
+    """The engine's live state after a step (``LLMEngine.get_stats()``), for the metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks: int
+    kv_used_blocks: int
+    kv_slots: int
+    kv_used_slots: int
+    spec_drafts: int | None  # MTP counters since the engine's last reset_stats; None without MTP
+    spec_accepted: int | None
+
+
+class Step(NamedTuple):
+    updates: list[Update]
+    queue_times: list[float]  # seconds from arrival to the first step that scheduled a request, once per request
+    stats: Stats
+    steps: int  # engine steps this message reports: 1, or 0 (the loop went idle, or a step failed)
+
+
+class Ready(NamedTuple):
+    info: EngineInfo
+
+
+class Failed(NamedTuple):
+    """The engine could not be built (a process host's start-up)."""
+
+    message: str
+
+
+class Dead(NamedTuple):
+    """The engine loop failed and has ended; every request still open fails with this."""
+
+    message: str
