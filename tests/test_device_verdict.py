@@ -1,4 +1,4 @@
-"""Greedy acceptance on the device (``spec.accept_greedy_on_device``) and the MTP inputs drafted from it
+"""Acceptance on the device (``spec.accept_on_device``) and the MTP inputs drafted from it
 (``runner.device_draft_inputs``) against their host twins (``accept_greedy``, ``draft_inputs``), and the engine
 step that uses them against the same engine forced onto the host path: random workloads with chunked prefill,
 preemption, aborts and sampled requests, the cache's integrity checked after every step."""
@@ -17,7 +17,7 @@ from dsv4.engine.proposer import rewrite_drafts
 from dsv4.engine.request import Request
 from dsv4.engine.runner import draft_inputs, device_draft_inputs
 from dsv4.engine.scheduler import ScheduledSeq
-from dsv4.engine.spec import accept_greedy, accept_greedy_on_device
+from dsv4.engine.spec import accept_greedy, accept_on_device
 
 from .drafters import oracle
 
@@ -83,7 +83,7 @@ def test_device_acceptance_and_draft_inputs_equal_the_host_twins(seed):
     rng = random.Random(seed)
     case = _case(rng, rng.randint(1, 6))
     acc, toks = _host(case)
-    verdict = accept_greedy_on_device(case.seqs, case.logits)
+    verdict = accept_on_device(case.seqs, case.logits)
     ids, rows = verdict.read()
     assert rows == acc
     assert verdict.accepted_drafts.tolist() == [len(t) - 1 if s.sample else 0 for s, t in zip(case.seqs, toks)]
@@ -100,11 +100,14 @@ def test_device_acceptance_and_draft_inputs_equal_the_host_twins(seed):
     assert dev.active == host.active
 
 
-def _workload(n: int, seed: int):
+SAMPLED = (1, 9)  # the sampled requests of a mixed workload
+
+
+def _workload(n: int, seed: int, sampled: tuple[int, ...] = ()):
     rng = random.Random(seed)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 100))] for _ in range(n)]
     params = [SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in range(n)]
-    for i in (1, n - 1):  # sampled requests: their steps verify on the host (rejection sampling)
+    for i in sampled:
         params[i] = SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True, temperature=0.8, top_k=20,
                                    seed=rng.randrange(1000))
     return prompts, params
@@ -117,12 +120,13 @@ def _run(k: int, on_device: bool, prompts, params, abort_at: dict[int, int]):
               kv_cache_config={"max_tokens": 384, "tokens_per_block": 16},  # room for ~2 growing sequences
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k}, warmup=False)
     eng = llm.engine
-    seen = {"device": 0}
+    seen = {"device": 0, "host": 0}
     real = LLMEngine._verifies_on_device
 
     def verifies_on_device(self, seqs):
         ok = on_device and real(self, seqs)
         seen["device"] += ok
+        seen["host"] += not ok and any(s.drafts for s in seqs)  # a verify step left on the host
         return ok
 
     answers = {}
@@ -151,18 +155,36 @@ def _run(k: int, on_device: bool, prompts, params, abort_at: dict[int, int]):
                 if r in eng.requests}
         assert eng.cache.num_free_blocks == eng.cache.num_blocks
         stats = llm.get_stats()
-    return outs, stats, seen["device"], proposed
+    return outs, stats, seen, proposed, answers, rids
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_engine_on_device_equals_host_path(k):
+    """Greedy requests: the same tokens, drafts, acceptance and preemptions either way."""
     prompts, params = _workload(10, seed=1)
     abort_at = {2: 3, 7: 6}
-    dev, dev_stats, n_dev, dev_drafts = _run(k, True, prompts, params, abort_at)
-    host, host_stats, n_host, host_drafts = _run(k, False, prompts, params, abort_at)
-    assert n_dev > 0 and n_host == 0
+    dev, dev_stats, n_dev, dev_drafts, *_ = _run(k, True, prompts, params, abort_at)
+    host, host_stats, n_host, host_drafts, *_ = _run(k, False, prompts, params, abort_at)
+    assert n_dev["device"] > 0 and n_host["device"] == 0
     assert dev == host
     assert len(dev_drafts) > 20 and dev_drafts == host_drafts  # the MTP drafted the same from the device path
     assert dev_stats["speculative"] == host_stats["speculative"]
     assert dev_stats["speculative"]["num_accepted_tokens"] > 0  # the oracle's right drafts were accepted
     assert dev_stats["num_preemptions"] == host_stats["num_preemptions"] and dev_stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mixed_greedy_and_sampled_steps_verify_on_the_device(k):
+    """Sampled requests verify on the device too (rejection sampling, ``spec.rejection_sample_on_device``; its
+    distribution is tests/test_spec_sampling.py's): every drafting step takes the device path, greedy requests
+    keep MTP off's tokens beside them, and a seeded request draws the same tokens again."""
+    prompts, params = _workload(10, seed=1, sampled=SAMPLED)
+    runs = [_run(k, True, prompts, params, {}) for _ in range(2)]
+    outs, stats, seen, _, answers, rids = runs[0]
+    assert seen["device"] > 0 and seen["host"] == 0 and outs == runs[1][0]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        toks, _ = outs[rids[i]]
+        assert len(toks) == sp.max_tokens
+        if i not in SAMPLED:
+            assert toks == answers[tuple(p)]
+    assert stats["speculative"]["num_accepted_tokens"] > 0

@@ -26,7 +26,7 @@ from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import StepLogprobs, greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
-from .spec import SpecStats, accept_greedy, accept_greedy_on_device, accept_sampled
+from .spec import SpecStats, accept_greedy, accept_on_device, accept_sampled
 
 log = logging.getLogger("dsv4")
 
@@ -240,16 +240,17 @@ class LLMEngine:
 
     def _verifies_on_device(self, seqs: list[ScheduledSeq]) -> bool:
         """Acceptance on the device, drafts launched before the host reads it: a proposer (and runner) that
-        takes it, every sampling seq greedy (rejection sampling stays on the host) and live."""
+        takes it, and every seq that samples still live."""
         return (self.proposer.drafts_from_device and any(s.sample for s in seqs)
-                and all(s.request.params.greedy and s.request.finish_reason is None for s in seqs if s.sample))
+                and all(s.request.finish_reason is None for s in seqs if s.sample))
 
     def _run_on_device(self, seqs: list[ScheduledSeq], plan, target: TargetOutput):
-        """The MTP step with one host read: greedy acceptance on the device, the proposer's passes launched
-        from it, then the step's argmax and accepted counts read back (queued before the passes, so the read
-        waits for nothing more than the drafts' own read did)."""
+        """The MTP step with one host read: acceptance on the device (greedy, or rejection sampling with each
+        request's generator), the proposer's passes launched from it, then the emitted tokens and accepted
+        counts read back (queued before the passes, so the read waits for nothing more than the drafts' own
+        read did). The host checks a greedy seq's count against ``accept_greedy`` on the same argmax."""
         rows = target.all_rows()
-        verdict = accept_greedy_on_device(seqs, rows)
+        verdict = accept_on_device(seqs, rows)
         # the logprobs of every verify row's argmax, queued before the drafts; the accepted rows' are kept
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
@@ -262,7 +263,8 @@ class LLMEngine:
                 accepted.append(s.num_new)
                 emitted.append([])
                 continue
-            toks = accept_greedy(tgt, list(s.drafts))
+            greedy = s.request.params.greedy
+            toks = accept_greedy(tgt, list(s.drafts)) if greedy else tgt[:n - (s.num_new - len(s.drafts)) + 1]
             self._accept(s, toks, None if lp is None else lp[:len(toks)], accepted, emitted)
             if accepted[-1] != n:
                 raise RuntimeError(f"request {s.request.request_id!r}: acceptance on the device kept {n} rows,"

@@ -30,6 +30,12 @@ def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
+def draft_accepted(u: torch.Tensor, q_d: torch.Tensor, p_d: torch.Tensor) -> torch.Tensor:
+    """The acceptance rule of rejection sampling, elementwise: draft d (drawn from q) is accepted with
+    probability min(1, p(d) / q(d)), i.e. when a uniform draw u has u q(d) <= p(d)."""
+    return (q_d > 0) & (u * q_d <= p_d)
+
+
 def accept_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
                    sp: SamplingParams, generator: torch.Generator) -> list[int]:
     """Rejection sampling. target_logits: [k+1, V]; draft_probs: [k, V] (q of each draft) or None if k=0."""
@@ -38,7 +44,7 @@ def accept_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: 
     for j, d in enumerate(drafts):
         q = draft_probs[j]
         u = torch.rand((), generator=generator, device=p.device)
-        if q[d] > 0 and u * q[d] <= p[j, d]:  # accept with prob min(1, p/q)
+        if bool(draft_accepted(u, q[d], p[j, d])):
             out.append(d)
             continue
         residual = (p[j] - q).clamp(min=0)
@@ -75,11 +81,14 @@ class DeviceVerdict:
         return ids, flat[R:]
 
 
-def accept_greedy_on_device(seqs: Sequence, logits: torch.Tensor) -> DeviceVerdict:
-    """``accept_greedy`` for every greedy seq of a step at once, on the device. ``logits`` [R, V]: the verify
-    rows of the seqs that sample (``len(drafts) + 1`` each), seqs in order. A seq's accepted drafts are the
-    index of its first verify row whose argmax differs from the draft that row checks; its last row checks
-    none (-1 never matches), so the count stops at its number of drafts."""
+def accept_on_device(seqs: Sequence, logits: torch.Tensor) -> DeviceVerdict:
+    """Verification of every seq of a step at once, on the device, with no host read. ``logits`` [R, V]: the
+    verify rows of the seqs that sample (``len(drafts) + 1`` each), seqs in order.
+
+    Greedy seqs (``accept_greedy``): the accepted drafts are the index of the first verify row whose argmax
+    differs from the draft that row checks; the last row checks none (-1 never matches), so the count stops at
+    the number of drafts. Sampled seqs: ``rejection_sample_on_device`` with the request's generator; their
+    ``target_ids`` rows hold the emitted tokens (the accepted drafts, then the resampled or bonus token)."""
     G = greedy_tokens(logits)
     checks, seq_of, local, counts, fixed = [], [], [], [], []
     for b, s in enumerate(seqs):
@@ -99,8 +108,44 @@ def accept_greedy_on_device(seqs: Sequence, logits: torch.Tensor) -> DeviceVerdi
     a = torch.full((B,), R + 1, dtype=torch.long, device=logits.device)
     a = a.scatter_reduce(0, seq, first_miss, "amin")
     a = torch.where(a > R, 0, a)  # a seq without verify rows
+    off = 0
+    for b, (s, n) in enumerate(zip(seqs, counts)):
+        req = s.request
+        if n and not req.params.greedy:
+            drafts = chk[off:off + n - 1]
+            a[b], G[off:off + n] = rejection_sample_on_device(
+                probs_from_logits(logits[off:off + n], req.params), req.draft_probs if n > 1 else None, drafts,
+                req.generator)
+        off += n
     rows = kept + a
     return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows])))
+
+
+def rejection_sample_on_device(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
+                               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_sampled`` without a host read: p [k+1, V] the target's distributions at the verify rows, q
+    [k, V] the drafts' (None when k = 0), drafts [k]. Draws k uniforms at once (not one per draft until the
+    first rejection, as the host version: the same distribution, another use of the generator), accepts the
+    longest prefix ``draft_accepted`` passes, then draws the token after it from norm(max(0, p - q)) at the
+    first rejection, or from p at the bonus row (q is taken as 0 there, so one formula serves both). Returns
+    (accepted drafts [] long, the emitted token at each of the k+1 rows [k+1]: drafts, then the drawn token)."""
+    k, V = drafts.shape[0], p.shape[1]
+    if k:
+        u = torch.rand(k, generator=generator, device=p.device)
+        ok = draft_accepted(u, q.gather(1, drafts[:, None])[:, 0], p[:k].gather(1, drafts[:, None])[:, 0])
+        a = ok.long().cumprod(0).sum()
+        q = torch.cat([q.float(), q.new_zeros(1, V, dtype=torch.float32)])
+    else:
+        a = torch.zeros((), dtype=torch.long, device=p.device)
+        q = p.new_zeros(1, V)
+    at = a.view(1)
+    p_a, q_a = p.index_select(0, at)[0], q.index_select(0, at)[0]
+    residual = (p_a - q_a).clamp(min=0)
+    mass = residual.sum()
+    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(residual.dtype).tiny), p_a)
+    x = sample(residual[None], generator)  # [1]
+    rows = torch.arange(k + 1, device=p.device)
+    return a, torch.where(rows < a, torch.cat([drafts, drafts.new_zeros(1)]), x)
 
 
 @dataclass
