@@ -1,0 +1,83 @@
+"""Prefill: time to first token and prefill tok/s for one prompt at a time (1k, 8k, 32k tokens by default),
+with the achieved TFLOP/s against the H200's dense bf16 peak (issue 20 measures its prefill kernels with it).
+
+TTFT here is ``LLM.generate`` of one request with ``max_tokens=1`` (the prompt prefilled in chunks of
+``--chunk`` tokens, then one token sampled), the device synchronised around it, median of ``--repeat`` runs after
+an untimed one. The FLOPs are counted from the config (``prefill_flops``): every projection (2 x weights per
+token: attention, compressors, indexer, shared and routed experts, router, mHC), the attention's scores and
+values over the keys each query sees (its window, the compressed entries: all of them at ratio 128, the indexer's
+top-k at ratio 4, plus the indexer's scores over every ratio-4 entry), and the lm head at the last token only.
+Random weights route tokens evenly, so the routed experts count k per token whatever their choice."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from common import report, table, timed
+
+from dsv4 import LLM, SamplingParams
+from dsv4.config import get_preset
+
+H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM, dense (no sparsity)
+H200_FP8_DENSE_TFLOPS = 1979.0
+
+
+def prefill_flops(cfg, T: int) -> float:
+    """Matmul FLOPs of prefilling T tokens of one sequence (multiply-adds x 2), counted from the config."""
+    d, H, D, q, g, o = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    E, k, I, n = cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter_dim, cfg.hc_mult
+    W = cfg.window_size
+    total = 0.0
+    for r in cfg.compress_ratios:
+        per_token = q * d + H * D * q + D * d + g * o * (H * D // g) + d * g * o  # attention projections
+        per_token += (E + (1 + k) * 3 * I) * d  # router, shared expert, k routed experts
+        per_token += 2 * (2 + n) * n * n * d  # mHC mixing (two sub-blocks)
+        # keys seen by query t (0-based), summed over t: window min(W, t+1)
+        keys = sum(min(W, t + 1) for t in range(T))
+        if r:
+            coff = 2 if r == 4 else 1
+            per_token += 2 * coff * D * d  # compressor (kv and gate)
+            if r == 4:
+                dI, nI = cfg.index_head_dim, cfg.index_n_heads
+                per_token += 2 * 2 * dI * d + nI * dI * q + nI * d  # the indexer's compressor, queries, weights
+                entries = sum((t + 1) // 4 for t in range(T))
+                total += 2 * nI * dI * entries  # the indexer scores every visible entry
+                keys += sum(min(cfg.index_topk, (t + 1) // 4) for t in range(T))
+            else:
+                keys += sum((t + 1) // r for t in range(T))
+        total += 2 * per_token * T + 2 * 2 * H * D * keys  # projections; scores and values
+    return total + 2 * cfg.vocab_size * d  # the lm head at the last token
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="flash-L4-E32")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--lens", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_tokens: the prefill chunk")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--append", default=None)
+    args = ap.parse_args()
+    cfg = get_preset(args.preset)
+    llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_batch_size=1,
+              max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
+              kv_cache_config={"free_gpu_memory_fraction": 0.5})
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    rows = []
+    for T in args.lens:
+        prompt = [rng.randrange(2, cfg.vocab_size) for _ in range(T)]
+        llm.generate([prompt], sp)  # untimed: this length's shapes compile
+        t, _ = timed(lambda prompt=prompt: llm.generate([prompt], sp), repeat=args.repeat)
+        tflops = prefill_flops(cfg, T) / t / 1e12
+        rows.append([T, -(-T // args.chunk), t * 1e3, T / t, tflops,
+                     f"{100 * tflops / H200_BF16_DENSE_TFLOPS:.1f}%"])
+    text = table(["prompt tokens", "chunks", "TTFT (ms)", "prefill tok/s", "achieved TFLOP/s",
+                  "of the bf16 dense peak (989)"], rows)
+    report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}", text, args.append,
+           notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")
+
+
+if __name__ == "__main__":
+    main()
