@@ -68,15 +68,14 @@ def test_the_setting_is_validated():
 @pytest.mark.cuda
 def test_bf16_mtp_on_equals_off_when_batch_invariant():
     """The trained mini at concurrency 32 in bf16: without the setting about a fifth of the tokens differ
-    between MTP on and off (BENCHMARKS.md); with it every token is the same. The 32 prompts (7649 tokens)
-    prefill in one step, so every later step is decode-like (a step that mixes a prefill chunk with decode
-    rows takes the plain-torch attention, which is not batch-invariant: see rows.py)."""
+    between MTP on and off (BENCHMARKS.md); with it every token is the same (each prompt prefilled alone, in
+    chunks of 2048 tokens, then decode / verify steps only)."""
     prompts = heldout_prompts()[:32]
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     outs = []
     for k in (0, 2):
         spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None
-        llm = LLM("mini", device="cuda", dtype="bf16", max_batch_size=32, max_seq_len=1024, max_num_tokens=8192,
+        llm = LLM("mini", device="cuda", dtype="bf16", max_batch_size=32, max_seq_len=1024, max_num_tokens=2048,
                   speculative_config=spec, batch_invariant=True)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
         if k:
@@ -110,4 +109,35 @@ def test_the_kernel_path_keeps_one_attention_path(monkeypatch):
         assert llm.engine.runner.use_kernels
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
         assert splits and set(splits) == ({0} if invariant else {None})
+    assert outs[0] == outs[1]
+
+
+def test_a_prefill_chunk_runs_alone_under_the_setting(monkeypatch):
+    """Batch invariance schedules a prefill chunk alone (a prompt is chunked and computed the same whatever else
+    runs) and decode / verify rows only with each other (they keep the decode kernels); tokens do not change."""
+    from dsv4.engine.scheduler import Scheduler
+
+    steps = []
+    real = Scheduler.schedule
+
+    def schedule(self):
+        out = real(self)
+        steps.append([not s.request.in_decode for s in out])  # a prefill chunk (not the newest token alone)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    prompts = [[5 + i] * n for i, n in enumerate((5, 40, 12, 33, 7, 21))]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    mtp = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+    outs = []
+    for invariant in (False, True):
+        steps.clear()
+        llm = LLM("tiny", warmup=False, max_seq_len=64, max_num_tokens=16, max_batch_size=4, speculative_config=mtp,
+                  batch_invariant=invariant)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+        mixed = [s for s in steps if any(s) and (len(s) > 1)]
+        if invariant:
+            assert not mixed and sum(1 for s in steps if s and s[0]) >= len(prompts)
+        else:
+            assert mixed  # the default batches prefill chunks with each other and with decode rows
     assert outs[0] == outs[1]

@@ -119,7 +119,8 @@ class EngineConfig:
     disable_overlap_scheduler: bool = False
     attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA for decode/verify), "torch", "triton"
     # every row's result independent of the batch (model/rows.py): projections on fixed 128-row chunks, one
-    # attention path; bf16 greedy output with MTP on then equals MTP off. Off by default (it costs time).
+    # attention path, a prefill chunk alone in its step; bf16 greedy output with MTP on then equals MTP off. Off by
+    # default (it costs time).
     batch_invariant: bool = False
     enable_attention_dp: bool = False
     tensor_parallel_size: int = 1

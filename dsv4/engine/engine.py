@@ -50,7 +50,8 @@ class LLMEngine:
         self.device = torch.device(engine_cfg.device)
         self.draft_len = engine_cfg.draft_len
         self.runner = runner or ModelRunner(model, storage, self.device, engine_cfg.attention_backend)
-        self.scheduler = scheduler or Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens)
+        self.scheduler = scheduler or Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens,
+                                                prefill_alone=engine_cfg.batch_invariant)
         # speculation's propose stage (None without MTP); tests and benchmarks may wrap it (RewrittenProposer)
         self.proposer: Proposer | None = proposer or (MtpProposer(self.runner, self.draft_len)
                                                       if self.draft_len else None)

@@ -31,9 +31,13 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_num_tokens: int):
+    def __init__(self, cache: KVCacheManager, max_batch_size: int, max_num_tokens: int, prefill_alone: bool = False):
+        """``prefill_alone`` (batch invariance): a step holds one request's prefill chunk and nothing else, or
+        decode / verify rows only, so a prompt is chunked and computed the same whatever else is running, and a
+        decode row never shares a step with a prefill chunk (which would take it off the decode kernels)."""
         self.cache = cache
         self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
+        self.prefill_alone = prefill_alone
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -84,9 +88,19 @@ class Scheduler:
         return ScheduledSeq(req, req.token_range(C, C + n), C + n == L, ())
 
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.max_num_tokens
-        out: list[ScheduledSeq] = []
-        for req in list(self.running):
+        if not self.prefill_alone:
+            out, budget = self._continue(list(self.running), [], self.max_num_tokens)
+            return self._admit(out, budget, self.max_batch_size)
+        prefilling = [r for r in self.running if not r.in_decode and not r.awaiting_finish]
+        if prefilling:  # its next chunk, alone
+            return self._continue(prefilling[:1], [], self.max_num_tokens)[0]
+        out = self._admit([], self.max_num_tokens, len(self.running) + 1) if self.waiting else []
+        return out or self._continue(list(self.running), [], self.max_num_tokens)[0]  # decode rows only
+
+    def _continue(self, running: list[Request], out: list[ScheduledSeq], budget: int) -> tuple[list, int]:
+        """The next tokens of running requests (decode / verify, or a prefill's next chunk), preempting the most
+        recently admitted others when the cache cannot fit one."""
+        for req in running:
             if req not in self.running:  # preempted below while making room for an earlier one
                 continue
             seq = self._plan_tokens(req, budget)
@@ -106,7 +120,11 @@ class Scheduler:
                 continue
             out.append(seq)
             budget -= seq.num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        return out, budget
+
+    def _admit(self, out: list[ScheduledSeq], budget: int, max_running: int) -> list[ScheduledSeq]:
+        """Waiting requests join while the token budget and ``max_running`` allow."""
+        while self.waiting and budget > 0 and len(self.running) < min(max_running, self.max_batch_size):
             req = self.waiting[0]
             if req.awaiting_finish:  # preempted while its last tokens were on the device: it ends when they
                 break                # are read back (this step), and nothing overtakes it meanwhile

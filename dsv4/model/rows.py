@@ -6,8 +6,9 @@ steps of 1 + k rows per request) then drifts from MTP off within a few tokens. E
 verify step is already per row (norms, RoPE, mHC, the router, the grouped-GEMM MoE with fixed tiles, the
 attention when its split does not follow the batch). Under ``fixed_rows(R)`` each projection runs on chunks of
 exactly R rows (the last one padded with zeros), so its kernel, and with it every row's rounding, is the same
-for any batch; the engine's ``batch_invariant`` setting enters it around every pass. Outside it (the default)
-a projection is one plain GEMM.
+for any batch; the engine's ``batch_invariant`` setting enters it around every pass (and its scheduler runs a
+prefill chunk alone, so a prompt's rows do not depend on what else is running, and decode rows only with each
+other, on the decode kernels). Outside it (the default) a projection is one plain GEMM.
 """
 
 from __future__ import annotations
