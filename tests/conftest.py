@@ -41,3 +41,40 @@ def check_cache(monkeypatch):
     from dsv4.cache import CHECK_ENV
 
     monkeypatch.setenv(CHECK_ENV, "1")
+
+
+@pytest.fixture
+def count_overlapped(monkeypatch):
+    """Counts the target passes that took an input still on the device (the overlap scheduler's steps)."""
+    from dsv4.engine import runner as runner_mod
+
+    seen = []
+    real = runner_mod.pending_inputs
+
+    def counting(seqs, prev):
+        dst, src = real(seqs, prev)
+        seen.append(len(dst))
+        return dst, src
+
+    monkeypatch.setattr(runner_mod, "pending_inputs", counting)
+    return seen
+
+
+@pytest.fixture
+def verify_path(monkeypatch):
+    """Where MTP steps verify: set ``["device"] = False`` to force the host path (``spec.accept_sampled`` /
+    ``accept_greedy``, what the multi-rank driver runs). Counts the verify steps (steps with drafts) that
+    took each path in ``["on_device"]`` / ``["on_host"]``."""
+    from dsv4.engine.engine import LLMEngine
+
+    state = {"device": True, "on_device": 0, "on_host": 0}
+    real = LLMEngine._verifies_on_device
+
+    def verifies_on_device(self, seqs):
+        ok = state["device"] and real(self, seqs)
+        if any(s.drafts for s in seqs):
+            state["on_device" if ok else "on_host"] += 1
+        return ok
+
+    monkeypatch.setattr(LLMEngine, "_verifies_on_device", verifies_on_device)
+    return state

@@ -11,6 +11,8 @@ import pytest
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.config import EngineConfigError
 
+from .bench_runs import at_bench_step, six_request_dataset
+
 # (SamplingParams keywords, the error's words)
 BAD_PARAMS = [
     ({"temperature": math.nan}, "temperature must be a finite number"),
@@ -435,21 +437,13 @@ def test_a_closed_pipe_stops_prepare_dataset_quietly():
 
 def test_ctrl_c_during_the_run_prints_a_partial_report(tmp_path, monkeypatch, capsys):
     from dsv4.bench import cli
-    from dsv4.engine.engine import LLMEngine
 
-    ds = tmp_path / "ds.jsonl"
-    ds.write_text("".join(f'{{"task_id": {i}, "input_ids": [1, 2, {i + 3}], "output_tokens": 2}}\n'
-                          for i in range(6)))
-    real, calls = LLMEngine.step, {"n": 0}
+    ds = six_request_dataset(tmp_path)
 
-    def step(self):
-        if any(rid.startswith("bench_") for rid in self.requests):
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise KeyboardInterrupt
-        return real(self)
+    def interrupt(engine):
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(LLMEngine, "step", step)
+    at_bench_step(monkeypatch, 4, interrupt)
     rc = cli.main(["--model", "tiny", "throughput", "--dataset", str(ds), "--concurrency", "2", "--warmup", "0",
                    "--no_progress"])
     out, err = capsys.readouterr()

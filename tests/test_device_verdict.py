@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.engine import LLMEngine
 from dsv4.engine.proposer import rewrite_drafts
 from dsv4.engine.request import Request
 from dsv4.engine.runner import draft_inputs, device_draft_inputs
@@ -113,59 +112,48 @@ def _workload(n: int, seed: int, sampled: tuple[int, ...] = ()):
     return prompts, params
 
 
-def _run(k: int, on_device: bool, prompts, params, abort_at: dict[int, int]):
+def _run(k: int, verify_path: dict, on_device: bool, prompts, params, abort_at: dict[int, int]):
     """Drive the engine step by step (aborting request i at step abort_at[i]); returns every request's
-    output, the stats, how many steps took the device path and every draft the MTP proposed."""
+    output, the stats, how many verify steps took each path and every draft the MTP proposed."""
     llm = LLM("tiny", max_batch_size=6, max_num_tokens=48, max_seq_len=160,
               kv_cache_config={"max_tokens": 384, "tokens_per_block": 16},  # room for ~2 growing sequences
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k}, warmup=False)
     eng = llm.engine
-    seen = {"device": 0, "host": 0}
-    real = LLMEngine._verifies_on_device
+    verify_path.update(device=on_device, on_device=0, on_host=0)
+    ref = LLM("tiny", max_batch_size=8, max_seq_len=160, warmup=False).generate(
+        prompts, [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True) for p in params])
+    answers = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, ref)}
+    orc = oracle(answers, 0.6, seed=k, vocab=256)  # accept and reject both run
 
-    def verifies_on_device(self, seqs):
-        ok = on_device and real(self, seqs)
-        seen["device"] += ok
-        seen["host"] += not ok and any(s.drafts for s in seqs)  # a verify step left on the host
-        return ok
+    def rewrite(req, drafts):  # the MTP's own drafts are recorded before the oracle replaces them
+        proposed.append((req.request_id, len(req.output_ids), tuple(drafts)))
+        return orc(req, drafts)
 
-    answers = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LLMEngine, "_verifies_on_device", verifies_on_device)
-        ref = LLM("tiny", max_batch_size=8, max_seq_len=160, warmup=False).generate(
-            prompts, [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True) for p in params])
-        answers = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, ref)}
-        orc = oracle(answers, 0.6, seed=k, vocab=256)  # accept and reject both run
-
-        def rewrite(req, drafts):  # the MTP's own drafts are recorded before the oracle replaces them
-            proposed.append((req.request_id, len(req.output_ids), tuple(drafts)))
-            return orc(req, drafts)
-
-        proposed = []
-        rewrite_drafts(eng, rewrite)
-        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        step = 0
-        while eng.has_unfinished_requests():
-            eng.step()
-            step += 1
-            for i, at in abort_at.items():
-                if at == step:
-                    eng.abort_request(rids[i])
-        outs = {r: (list(eng.requests[r].output_ids), eng.requests[r].finish_reason) for r in rids
-                if r in eng.requests}
-        assert eng.cache.num_free_blocks == eng.cache.num_blocks
-        stats = llm.get_stats()
-    return outs, stats, seen, proposed, answers, rids
+    proposed = []
+    rewrite_drafts(eng, rewrite)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    step = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        step += 1
+        for i, at in abort_at.items():
+            if at == step:
+                eng.abort_request(rids[i])
+    outs = {r: (list(eng.requests[r].output_ids), eng.requests[r].finish_reason) for r in rids
+            if r in eng.requests}
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+    stats = llm.get_stats()
+    return outs, stats, dict(verify_path), proposed, answers, rids
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_engine_on_device_equals_host_path(k):
+def test_engine_on_device_equals_host_path(k, verify_path):
     """Greedy requests: the same tokens, drafts, acceptance and preemptions either way."""
     prompts, params = _workload(10, seed=1)
     abort_at = {2: 3, 7: 6}
-    dev, dev_stats, n_dev, dev_drafts, *_ = _run(k, True, prompts, params, abort_at)
-    host, host_stats, n_host, host_drafts, *_ = _run(k, False, prompts, params, abort_at)
-    assert n_dev["device"] > 0 and n_host["device"] == 0
+    dev, dev_stats, n_dev, dev_drafts, *_ = _run(k, verify_path, True, prompts, params, abort_at)
+    host, host_stats, n_host, host_drafts, *_ = _run(k, verify_path, False, prompts, params, abort_at)
+    assert n_dev["on_device"] > 0 and n_host["on_device"] == 0
     assert dev == host
     assert len(dev_drafts) > 20 and dev_drafts == host_drafts  # the MTP drafted the same from the device path
     assert dev_stats["speculative"] == host_stats["speculative"]
@@ -174,14 +162,14 @@ def test_engine_on_device_equals_host_path(k):
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_mixed_greedy_and_sampled_steps_verify_on_the_device(k):
+def test_mixed_greedy_and_sampled_steps_verify_on_the_device(k, verify_path):
     """Sampled requests verify on the device too (rejection sampling, ``spec.rejection_sample_on_device``; its
     distribution is tests/test_spec_sampling.py's): every drafting step takes the device path, greedy requests
     keep MTP off's tokens beside them, and a seeded request draws the same tokens again."""
     prompts, params = _workload(10, seed=1, sampled=SAMPLED)
-    runs = [_run(k, True, prompts, params, {}) for _ in range(2)]
+    runs = [_run(k, verify_path, True, prompts, params, {}) for _ in range(2)]
     outs, stats, seen, _, answers, rids = runs[0]
-    assert seen["device"] > 0 and seen["host"] == 0 and outs == runs[1][0]
+    assert seen["on_device"] > 0 and seen["on_host"] == 0 and outs == runs[1][0]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         toks, _ = outs[rids[i]]
         assert len(toks) == sp.max_tokens

@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine import runner as runner_mod
-from dsv4.engine.engine import LLMEngine
 from dsv4.engine.proposer import rewrite_drafts
 from dsv4.model import load_model
 
@@ -96,19 +94,10 @@ PARAMS = [  # (params, its logprobs n): greedy and sampled, n = 0, top n, and no
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_logprobs_equal_the_dense_model(dense, plain, monkeypatch, overlap):
-    overlapped = []
-    real = runner_mod.pending_inputs
-
-    def counting(seqs, prev):
-        dst, src = real(seqs, prev)
-        overlapped.append(len(dst))
-        return dst, src
-
-    monkeypatch.setattr(runner_mod, "pending_inputs", counting)
+def test_logprobs_equal_the_dense_model(dense, plain, monkeypatch, count_overlapped, overlap):
     monkeypatch.setattr(plain.engine, "overlap_scheduler", overlap)
     outs = plain.generate(PROMPTS, PARAMS)
-    assert (sum(overlapped) > 0) == overlap  # the overlapped steps ran (and only with overlap on)
+    assert (sum(count_overlapped) > 0) == overlap  # the overlapped steps ran (and only with overlap on)
     for p, sp, o in zip(PROMPTS, PARAMS, outs):
         check(dense, p, o, sp.logprobs)
     # a stop token cuts the output (the overlapped step after it has already launched its token)
@@ -125,19 +114,11 @@ def mtp(request):
 
 
 @pytest.mark.parametrize("path", ["device", "host"])
-def test_logprobs_with_mtp(dense, answers, mtp, monkeypatch, path):
+def test_logprobs_with_mtp(dense, answers, mtp, verify_path, path):
     """Drafts right part of the time (the oracle), so verify steps emit up to k+1 tokens from their verify
     rows; stop tokens and max_tokens cut inside such steps."""
     k, llm = mtp
-    seen = {"device": 0}
-    real = LLMEngine._verifies_on_device
-
-    def verifies_on_device(self, seqs):
-        ok = path == "device" and real(self, seqs)
-        seen["device"] += ok
-        return ok
-
-    monkeypatch.setattr(LLMEngine, "_verifies_on_device", verifies_on_device)
+    verify_path["device"] = path == "device"
     orc = oracle(answers, 0.7, seed=k)
     rewrite_drafts(llm.engine, lambda req, drafts: orc(req, drafts) if req.params.greedy else drafts)
     llm.engine.reset_stats()
@@ -153,7 +134,7 @@ def test_logprobs_with_mtp(dense, answers, mtp, monkeypatch, path):
             assert o.outputs[0].token_ids == answers[tuple(p)][:len(o.outputs[0].token_ids)]
     assert outs[4].outputs[0].finish_reason == "stop" and outs[4].outputs[0].token_ids[-1] == ref[11]
     assert llm.get_stats()["speculative"]["num_accepted_tokens"] > 0  # verify steps emitted several tokens
-    assert (seen["device"] > 0) == (path == "device")
+    assert (verify_path["on_device"] > 0) == (path == "device")
 
 
 def test_stats_report_live_use_and_first_scheduled_time(plain):

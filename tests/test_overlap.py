@@ -9,7 +9,6 @@ import random
 import pytest
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine import runner as runner_mod
 from dsv4.engine.request import PENDING, Request
 
 
@@ -24,21 +23,6 @@ def _llm(overlap: bool, **kw):
 def _prompts(lens, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(2, 256) for _ in range(L)] for L in lens]
-
-
-@pytest.fixture
-def count_overlapped(monkeypatch):
-    """Counts the target passes that took an input still on the device."""
-    seen = []
-    real = runner_mod.pending_inputs
-
-    def counting(seqs, prev):
-        dst, src = real(seqs, prev)
-        seen.append(len(dst))
-        return dst, src
-
-    monkeypatch.setattr(runner_mod, "pending_inputs", counting)
-    return seen
 
 
 def _run(llm, prompts, params):

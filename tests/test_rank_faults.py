@@ -17,6 +17,8 @@ import pytest
 from dsv4 import LLM, SamplingParams
 from dsv4.parallel.comm import RankError
 
+from .bench_runs import at_bench_step, six_request_dataset
+
 KW = dict(max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 2048})
 PROMPTS = [[1, 2, 3] * 20] * 4
 SP = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -103,23 +105,15 @@ def test_a_bench_run_whose_rank_dies_keeps_the_finished_requests(tmp_path, monke
     """SIGKILL of rank 1 during the timed run: the report covers the requests that finished before it, the
     failure is one error line naming rank 1, and the exit status is 3."""
     from dsv4.bench import cli
-    from dsv4.engine.engine import LLMEngine
 
-    ds = tmp_path / "ds.jsonl"
-    ds.write_text("".join(f'{{"task_id": {i}, "input_ids": [1, 2, {i + 3}], "output_tokens": 2}}\n'
-                          for i in range(6)))
-    real, calls = LLMEngine.step, {"n": 0}
+    ds = six_request_dataset(tmp_path)
 
-    def step(self):
-        if any(rid.startswith("bench_") for rid in self.requests):
-            calls["n"] += 1
-            if calls["n"] == 5:  # two requests at a time, two tokens each: some have finished by now
-                victim = self.group.procs[0]
-                victim.kill()
-                victim.wait()
-        return real(self)
+    def kill_rank_1(engine):
+        victim = engine.group.procs[0]
+        victim.kill()
+        victim.wait()
 
-    monkeypatch.setattr(LLMEngine, "step", step)
+    at_bench_step(monkeypatch, 5, kill_rank_1)  # two requests at a time, two tokens each: some have finished
     report = tmp_path / "report.json"
     rc = cli.main(["--model", "tiny", "throughput", "--dataset", str(ds), "--tp", "2", "--concurrency", "2",
                    "--warmup", "0", "--no_progress", "--report_json", str(report)])

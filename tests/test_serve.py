@@ -6,12 +6,9 @@ the tests fail when the server changes a token, a character or a count."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
@@ -21,19 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4 import LLM, SamplingParams
 from dsv4.builtin import heldout_prompts
-from dsv4.env import CHECK_CACHE
+
+from .serve_server import (EOS, engine_pids, gone_within, greedy, launch, needs_proc, parent, running, stop,
+                           text_of, wait_healthy)
 
 KEY = "sk-test-dsv4"
 MAX_SEQ_LEN = 512
 SETTINGS = dict(max_batch_size=32, max_num_tokens=512, max_seq_len=MAX_SEQ_LEN,
                 speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
-EOS = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -73,77 +65,6 @@ class Server:
             time.sleep(0.1)
 
 
-def _launch(d, args: list[str]) -> tuple[subprocess.Popen, str, str]:
-    """``dsv4 serve mini`` with these arguments on a free port (its output in ``d/server.log``)."""
-    port = _free_port()
-    log_path = str(d / "server.log")
-    env = dict(os.environ, **{CHECK_CACHE: "1"})  # the cache's integrity check after every step and when idle
-    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "mini", "--port", str(port), "--threads", "1"] + args
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://127.0.0.1:{port}", log_path
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited ({proc.returncode}):\n{open(log_path).read()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            raise AssertionError(f"the server did not start:\n{open(log_path).read()}")
-        time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
-    proc.send_signal(sig)
-    try:
-        return proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("the server did not stop within 20 s of its signal") from None
-
-
-def _engine_pids(url: str) -> tuple[int, int]:
-    """(the engine's pid, the HTTP server's pid), from /metrics' ``dsv4:engine_info``."""
-    return _engine_pids_of(httpx.get(url + "/metrics", timeout=10).text)
-
-
-def _engine_pids_of(metrics_text: str) -> tuple[int, int]:
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            if s.name == "dsv4:engine_info":
-                return int(s.labels["pid"]), int(s.labels["server_pid"])
-    raise AssertionError("/metrics has no dsv4:engine_info")
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not ended (a zombie waiting to be reaped has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while _running(pid):
-        if time.time() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The server process, and (built while it starts) the in-process reference ``LLM`` as ``server.llm``. At
@@ -151,26 +72,26 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     yml = d / "mtp.yml"
     yml.write_text("speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 2\n")
-    proc, url, log_path = _launch(d, ["--max_batch_size", "32", "--max_num_tokens", "512", "--max_seq_len",
+    proc, url, log_path = launch(d, ["--max_batch_size", "32", "--max_num_tokens", "512", "--max_seq_len",
                                       str(MAX_SEQ_LEN), "--extra_llm_api_options", str(yml), "--api_key", KEY,
                                       "--max_request_bytes", "65536"])
     engine_pid = None
     try:
         reference = LLM("mini", **SETTINGS)
-        _wait_healthy(proc, url, log_path)
-        engine_pid = _engine_pids(url)[0]
+        wait_healthy(proc, url, log_path)
+        engine_pid = engine_pids(url)[0]
         srv = Server(url, proc, log_path)
         srv.llm = reference
         yield srv
         # uvicorn shuts down gracefully, then re-raises the signal: killed by SIGTERM, after a clean stop
-        assert _stop(proc) in (0, -signal.SIGTERM), open(log_path).read()
+        assert stop(proc) in (0, -signal.SIGTERM), open(log_path).read()
     finally:
         if proc.poll() is None:
             proc.kill()
     log = open(log_path).read()
     assert "Traceback" not in log, log  # no handler failed, nothing crashed in the engine loop
     if engine_pid is not None and os.path.isdir("/proc"):
-        assert _gone_within(engine_pid, 5), f"the engine process {engine_pid} outlived the server"
+        assert gone_within(engine_pid, 5), f"the engine process {engine_pid} outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -178,19 +99,8 @@ def llm(server):
     return server.llm
 
 
-def greedy(llm, ids, max_tokens, **kw):
-    return llm.generate([list(ids)], SamplingParams(max_tokens=max_tokens, **kw))[0].outputs[0]
-
-
 def prompts(n: int, chars: int = 60) -> list[str]:
     return [p[-chars:] for p in heldout_prompts("mini")[:n]]
-
-
-def text_of(llm, ids: list[int]) -> str:
-    """What the server returns for these output ids: the text without the EOS that ended it."""
-    if ids and ids[-1] == EOS:
-        ids = ids[:-1]
-    return llm.tokenizer.decode(ids)
 
 
 def _stream_completion(server, **kw):
@@ -568,79 +478,8 @@ def test_api_key_and_client_errors(server):
 
 
 # ---- the engine's own process ----------------------------------------------------------------------------
-needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
-SMALL = ["--max_batch_size", "4", "--max_num_tokens", "128", "--max_seq_len", "256"]
-
-
 @needs_proc
 def test_the_engine_runs_in_a_child_process(server):
-    engine, http = _engine_pids(server.url)
+    engine, http = engine_pids(server.url)
     assert http == server.proc.pid and engine != http
-    assert _parent(engine) == server.proc.pid and _running(engine)
-
-
-@needs_proc
-def test_a_killed_server_leaves_no_engine_behind(tmp_path):
-    """SIGKILL gives the server no chance to stop its engine: the engine sees its connection close and ends."""
-    proc, url, log_path = _launch(tmp_path, SMALL)
-    try:
-        _wait_healthy(proc, url, log_path)
-        engine, _ = _engine_pids(url)
-        r = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "def f(x):", "max_tokens": 4},
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        proc.kill()
-        proc.wait(10)
-        assert _gone_within(engine, 10), f"the engine process {engine} outlived its killed server"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-@needs_proc
-def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(tmp_path):
-    """The engine process killed mid-stream: the stream ends with an error event, /health says 503, a new
-    request gets a 503 in OpenAI's error shape; SIGINT still stops the server cleanly."""
-    proc, url, log_path = _launch(tmp_path, SMALL)
-    try:
-        _wait_healthy(proc, url, log_path)
-        engine, _ = _engine_pids(url)
-        body = {"model": "mini", "prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
-            os.kill(engine, signal.SIGKILL)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        err = json.loads(rest[-2][6:])["error"]
-        assert err["type"] == "server_error" and "engine" in err["message"], err
-        health = httpx.get(url + "/health", timeout=10)
-        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
-        r = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "x", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503, r.text
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-        assert _stop(proc, signal.SIGINT) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = open(log_path).read()
-    assert "the engine process has ended" in log and "Traceback" not in log, log
-
-
-def test_build_app_serves_an_llm_built_in_this_process():
-    """``build_app(llm)``: the engine loop in a thread of this process (no engine process), same answers."""
-    from fastapi.testclient import TestClient
-
-    from dsv4.serve import build_app
-
-    small = LLM("mini", max_batch_size=4, max_num_tokens=128, max_seq_len=256)
-    ids = small.tokenizer.encode("def f(x):").ids
-    want = text_of(small, greedy(small, ids, 6).token_ids)
-    app = build_app(small, "mini")
-    with TestClient(app) as c:
-        r = c.post("/v1/completions", json={"model": "mini", "prompt": ids, "max_tokens": 6, "temperature": 0})
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
-        assert _engine_pids_of(c.get("/metrics").text) == (os.getpid(), os.getpid())
-    assert c.app.state.dsv4.engine.error is not None  # stopped with the app
-    assert not small.engine.has_unfinished_requests()
+    assert parent(engine) == server.proc.pid and running(engine)

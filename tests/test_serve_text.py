@@ -16,7 +16,7 @@ from dsv4.checkpoint.tokenizer import load_tokenizer
 from dsv4.serve.chat import ChatEncoder, chat_options, encode_dsv4, render_tool_calls
 from dsv4.serve.detokenizer import IncrementalDetokenizer, OutputText
 from dsv4.serve.job import Choice
-from dsv4.serve.client import Event
+from dsv4.serve.messages import Update
 from dsv4.serve.parsers import ReasoningParser, ToolCallParser
 from dsv4.serve.protocol import ApiError, ChatCompletionRequest
 
@@ -207,7 +207,7 @@ def test_a_chat_choice_streams_what_it_returns_whole(sizes):
         i += n
     reasoning, content, calls, finishes = "", "", [], []
     for k, g in enumerate(groups):
-        d = choice.consume(Event(0, g, "stop" if k == len(groups) - 1 else None))
+        d = choice.consume(Update("0", g, "stop" if k == len(groups) - 1 else None))
         reasoning, content, calls = reasoning + d.reasoning, content + d.text, calls + d.tool_calls
         if d.finish_reason:
             finishes.append(d.finish_reason)

@@ -13,7 +13,6 @@ from dsv4.checkpoint.init_random import random_state_dict
 from dsv4.checkpoint.io import write_checkpoint
 from dsv4.config import get_preset
 from dsv4.engine import spec as spec_mod
-from dsv4.engine.engine import LLMEngine
 from dsv4.engine.sampler import probs_from_logits
 from dsv4.model import load_model
 
@@ -53,44 +52,36 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), chi2 / 2))
 
 
-def sampled_marginals(model_dir, path: str, monkeypatch):
+def sampled_marginals(model_dir, path: str, verify_path):
     """The first three tokens of N_REQ seeded requests, verified on the device (``spec.accept_on_device``, the
     single-device default) or on the host (``spec.accept_sampled``, what the multi-rank driver runs)."""
-    used = {"device": 0, "host": 0}
-    real = LLMEngine._verifies_on_device
-
-    def verifies_on_device(self, seqs):
-        ok = path == "device" and real(self, seqs)
-        used["device" if ok else "host"] += any(s.drafts for s in seqs)
-        return ok
-
-    monkeypatch.setattr(LLMEngine, "_verifies_on_device", verifies_on_device)
+    verify_path["device"] = path == "device"
     llm = LLM(model_dir, max_batch_size=128, max_num_tokens=1024, max_seq_len=64, warmup=False,
               kv_cache_config={"max_tokens": 16384},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
     outs = llm.generate([PROMPT] * N_REQ, [SamplingParams(max_tokens=3, temperature=TEMP, seed=i, ignore_eos=True)
                                            for i in range(N_REQ)])
-    assert used[path] > 0 and used["host" if path == "device" else "device"] == 0
+    assert verify_path["on_" + path] > 0 and verify_path["on_host" if path == "device" else "on_device"] == 0
     toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [N, 3]
     stats = llm.get_stats()["speculative"]
     return [torch.bincount(toks[:, j], minlength=V) for j in range(3)], stats
 
 
 @pytest.mark.parametrize("path", ["device", "host"])
-def test_mtp_sampling_matches_the_target_distribution(small_vocab_dir, path, monkeypatch):
+def test_mtp_sampling_matches_the_target_distribution(small_vocab_dir, path, verify_path):
     exact = exact_marginals(small_vocab_dir)
-    counts, stats = sampled_marginals(small_vocab_dir, path, monkeypatch)
+    counts, stats = sampled_marginals(small_vocab_dir, path, verify_path)
     assert 0.05 < stats["acceptance_rate"] < 0.95  # drafts are both accepted and rejected
     for j in range(3):
         assert chi2_pvalue(counts[j], exact[j]) > 1e-3, f"token {j + 1} is not distributed as the target's"
 
 
 @pytest.mark.parametrize("path", ["device", "host"])
-def test_a_wrong_acceptance_rule_is_detected(small_vocab_dir, path, monkeypatch):
+def test_a_wrong_acceptance_rule_is_detected(small_vocab_dir, path, verify_path, monkeypatch):
     """Negative control: accepting every draft (no rejection) must fail the same check, on either path."""
     monkeypatch.setattr(spec_mod, "draft_accepted", lambda u, q_d, p_d: torch.ones_like(u, dtype=torch.bool))
     exact = exact_marginals(small_vocab_dir)
-    counts, stats = sampled_marginals(small_vocab_dir, path, monkeypatch)
+    counts, stats = sampled_marginals(small_vocab_dir, path, verify_path)
     assert stats["acceptance_rate"] == 1.0
     assert chi2_pvalue(counts[0], exact[0]) > 1e-3  # token 1 is never speculative
     assert min(chi2_pvalue(counts[j], exact[j]) for j in (1, 2)) < 1e-3

@@ -58,7 +58,10 @@ class MtpProposer(Proposer):
 
     def __init__(self, runner, draft_len: int):
         self.runner, self.draft_len = runner, draft_len
-        self.drafts_from_device = runner.drafts_from_device
+
+    @property
+    def drafts_from_device(self) -> bool:
+        return self.runner.drafts_from_device
 
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
         probs: dict[int, list[torch.Tensor]] = {}
@@ -90,7 +93,11 @@ class RewrittenProposer(Proposer):
 
     def __init__(self, inner: Proposer, rewrite):
         self.inner, self.rewrite = inner, rewrite
-        self.draft_len, self.drafts_from_device = inner.draft_len, inner.drafts_from_device
+        self.draft_len = inner.draft_len
+
+    @property
+    def drafts_from_device(self) -> bool:
+        return self.inner.drafts_from_device
 
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
         return self.inner.propose(seqs, plan, target, accepted, drafting)

@@ -30,7 +30,8 @@ class DraftInputs:
     """One batch's (or one attention-DP lane's) MTP inputs, from the verify results: host ints (what the
     multi-rank driver sends), or device tensors when acceptance stayed on the device (``DeviceVerdict``)."""
 
-    next_ids: tuple[int, ...] | torch.Tensor  # per step token at position p: token p+1 after this step's emission (0 past it)
+    # per step token at position p: token p+1 after this step's emission (0 past it)
+    next_ids: tuple[int, ...] | torch.Tensor
     picks: tuple[int, ...] | torch.Tensor  # per request: the step row of its newest committed position
     new_lens: tuple[int, ...] | torch.Tensor  # per request: committed length after acceptance
     active: tuple[int, ...]  # batch rows that draft

@@ -78,6 +78,8 @@ class StepLogprobs:
         """``logits`` [R, V]: a step's logit rows, seqs in order, ``rows_per_seq[b]`` of them seq b's;
         ``tokens`` [R] (device tensor or host ints): the token chosen at each row; ``top_n[b]``: seq b's
         ``SamplingParams.logprobs`` (None: it does not ask, its rows are skipped). None when no seq asks."""
+        if all(n is None for n in top_n):  # (every step calls this: nothing to do unless a request asks)
+            return None
         if sum(rows_per_seq) != logits.shape[0] or len(tokens) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows and {len(tokens)} tokens for seqs of"
                              f" {list(rows_per_seq)} rows")

@@ -89,17 +89,18 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         if not self.prefill_alone:
-            out, budget = self._continue(list(self.running), [], self.max_num_tokens)
+            out, budget = self._continue(list(self.running), self.max_num_tokens)
             return self._admit(out, budget, self.max_batch_size)
         prefilling = [r for r in self.running if not r.in_decode and not r.awaiting_finish]
         if prefilling:  # its next chunk, alone
-            return self._continue(prefilling[:1], [], self.max_num_tokens)[0]
+            return self._continue(prefilling[:1], self.max_num_tokens)[0]
         out = self._admit([], self.max_num_tokens, len(self.running) + 1) if self.waiting else []
-        return out or self._continue(list(self.running), [], self.max_num_tokens)[0]  # decode rows only
+        return out or self._continue(list(self.running), self.max_num_tokens)[0]  # decode rows only
 
-    def _continue(self, running: list[Request], out: list[ScheduledSeq], budget: int) -> tuple[list, int]:
+    def _continue(self, running: list[Request], budget: int) -> tuple[list[ScheduledSeq], int]:
         """The next tokens of running requests (decode / verify, or a prefill's next chunk), preempting the most
-        recently admitted others when the cache cannot fit one."""
+        recently admitted others when the cache cannot fit one; and the budget left."""
+        out: list[ScheduledSeq] = []
         for req in running:
             if req not in self.running:  # preempted below while making room for an earlier one
                 continue

@@ -32,8 +32,7 @@ from .job import Choice, Job
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import ReasoningParser, ToolCallParser
 from .protocol import (MAX_N, MAX_STOP_STRINGS, ApiError, ChatCompletionRequest, CompletionRequest,
-                       DetokenizeRequest, TokenizeRequest, chat_chunk, completion_chunk, error_body, new_id, now,
-                       usage)
+                       DetokenizeRequest, TokenizeRequest, error_body, new_id, now, response_body, usage)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -287,7 +286,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def make_chunk(chs, usage_=None):
-            return completion_chunk(rid, created, state.model_name, chs, usage_, include_usage)
+            return response_body("text_completion", rid, created, state.model_name, chs, usage_, include_usage)
 
         offsets = [0] * len(choices)  # per choice: where the next token's text starts (text_offset)
 
@@ -300,7 +299,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         return _stream(state, job, make_chunk, chunk_choice, [], include_usage)
     if not await _run_whole(state, job, request):
         return Response(status_code=499)  # the client is gone; nobody reads this
-    out = completion_chunk(rid, created, state.model_name, [
+    out = response_body("text_completion", rid, created, state.model_name, [
         {"index": c.index, "text": c.content,
          "logprobs": _completion_logprobs(state, c.logprobs, 0)[0] if body.logprobs is not None else None,
          "finish_reason": c.finish_reason} for c in job.choices])
@@ -343,7 +342,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def make_chunk(chs, usage_=None):
-            return chat_chunk(rid, created, state.model_name, chs, usage_, include_usage)
+            return response_body("chat.completion.chunk", rid, created, state.model_name, chs, usage_,
+                                 include_usage)
 
         def chunk_choice(c, d):
             delta = {}

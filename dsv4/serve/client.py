@@ -21,25 +21,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..engine.sampling_params import SamplingParams
-from .messages import Abort, Add, Dead, Stats, Step, Stop
+from .messages import Abort, Add, Dead, Stats, Step, Stop, Update
 from .protocol import ApiError
 
 log = logging.getLogger("dsv4.serve")
 
 
-@dataclass(frozen=True)
-class Event:
-    """New tokens of one choice. ``finish_reason`` is set on its last event; ``error`` when it failed, with the
-    HTTP status that fits (400: the engine refused the request; 500: the engine failed)."""
+class Event(NamedTuple):
+    """An engine update of one choice, with the choice's index in its HTTP request (what a sink's queue holds)."""
 
     index: int
-    token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
-    status: int = 500
-    logprobs: list[dict[int, float]] | None = None  # one per token of token_ids, when the request asked
+    update: Update
 
 
 @dataclass(eq=False)
@@ -134,7 +129,7 @@ class EngineClient:
                 continue  # aborted here; its last tokens were on the way
             if u.finish_reason is not None:
                 del self._sinks[u.rid]
-            sink.queue.put_nowait(Event(sink.index, u.token_ids, u.finish_reason, u.error, u.status, u.logprobs))
+            sink.queue.put_nowait(Event(sink.index, u))
         m = self.metrics
         if m is not None:
             for q in msg.queue_times:
@@ -154,8 +149,8 @@ class EngineClient:
             if not quiet:
                 log.error("%s", message)
         sinks, self._sinks = self._sinks, {}
-        for sink in sinks.values():
-            sink.queue.put_nowait(Event(sink.index, [], "error", message, 500))
+        for rid, sink in sinks.items():
+            sink.queue.put_nowait(Event(sink.index, Update(rid, [], "error", message, 500)))
 
     # ---- metrics ---------------------------------------------------------------------------------------
     def _observe_stats(self, s: Stats) -> None:

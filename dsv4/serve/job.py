@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..engine.sampling_params import SamplingParams
 from .detokenizer import OutputText
 from .client import EngineClient, Event, Sink
+from .messages import Update
 from .parsers import ParsedToolCall, ReasoningParser, ToolCallParser
 from .protocol import ApiError
 
@@ -59,7 +60,7 @@ class Choice:
     def num_tokens(self) -> int:
         return self.out.num_tokens
 
-    def consume(self, ev: Event) -> Delta:
+    def consume(self, ev: Update) -> Delta:
         if self.done:
             return Delta()
         if ev.token_ids and self.first_token_time is None:
@@ -127,18 +128,18 @@ class Job:
         """(choice, delta) until every choice has ended. A failed choice raises ``ApiError`` (its status: 400 for
         a request the engine refused, 500 for an engine failure)."""
         while self._open:
-            for ev in self._merged(await self._queue.get()):
-                if ev.index not in self._open:
+            for index, u in self._merged(await self._queue.get()):
+                if index not in self._open:
                     continue  # a choice that a stop string ended: its last tokens were on the way
-                if ev.error is not None:
-                    raise ApiError(ev.error, status=ev.status,
-                                   type="invalid_request_error" if ev.status == 400 else "server_error")
-                c = self.choices[ev.index]
-                d = c.consume(ev)
+                if u.error is not None:
+                    raise ApiError(u.error, status=u.status,
+                                   type="invalid_request_error" if u.status == 400 else "server_error")
+                c = self.choices[index]
+                d = c.consume(u)
                 if c.done:
-                    self._open.discard(ev.index)
-                    if ev.finish_reason is None:  # ended here (a stop string): the engine need not go on
-                        self.engine.abort(self.rid(ev.index))
+                    self._open.discard(index)
+                    if u.finish_reason is None:  # ended here (a stop string): the engine need not go on
+                        self.engine.abort(self.rid(index))
                 if not d.empty:
                     yield c, d
 
@@ -151,13 +152,13 @@ class Job:
         while not self._queue.empty():
             ev = self._queue.get_nowait()
             prev = by_index.get(ev.index)
-            if prev is None or prev.error is not None or prev.finish_reason is not None:
+            if prev is None or prev.update.error is not None or prev.update.finish_reason is not None:
                 by_index.setdefault(ev.index, ev)  # (nothing follows a last event)
                 continue
-            logprobs = None if prev.logprobs is None and ev.logprobs is None else \
-                (prev.logprobs or []) + (ev.logprobs or [])  # (an error event carries none)
-            by_index[ev.index] = Event(ev.index, prev.token_ids + ev.token_ids, ev.finish_reason, ev.error, ev.status,
-                                       logprobs)
+            p, u = prev.update, ev.update
+            logprobs = None if p.logprobs is None and u.logprobs is None else \
+                (p.logprobs or []) + (u.logprobs or [])  # (an error event carries none)
+            by_index[ev.index] = Event(ev.index, u._replace(token_ids=p.token_ids + u.token_ids, logprobs=logprobs))
         return list(by_index.values())
 
     def close(self) -> None:

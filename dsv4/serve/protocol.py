@@ -162,17 +162,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,
-                     with_usage_field: bool = False) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-    if with_usage_field:
-        out["usage"] = usage_
-    return out
-
-
-def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,
-               with_usage_field: bool = False) -> dict:
-    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+def response_body(kind: str, rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,
+                  with_usage_field: bool = False) -> dict:
+    """An OpenAI response object or stream chunk: ``kind`` is its "object" ("text_completion",
+    "chat.completion.chunk"); ``usage`` only where the stream asked for it (``include_usage``)."""
+    out = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
     if with_usage_field:
         out["usage"] = usage_
     return out
