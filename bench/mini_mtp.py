@@ -17,10 +17,10 @@ from dsv4 import LLM, SamplingParams
 from dsv4.builtin import heldout_prompts
 
 
-def run(args, k: int, prompts: list[str], concurrency: int):
+def run(args, k: int, prompts: list[str], concurrency: int, overlap: bool = True):
     spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None
     llm = LLM("mini", device=args.device, dtype=args.dtype, max_batch_size=concurrency, max_num_tokens=2048,
-              max_seq_len=1024, speculative_config=spec)
+              max_seq_len=1024, speculative_config=spec, disable_overlap_scheduler=not overlap)
     sp = SamplingParams(max_tokens=args.gen, ignore_eos=True)
     llm.generate(prompts[:concurrency], SamplingParams(max_tokens=8, ignore_eos=True))  # untimed
     llm.engine.reset_stats()
@@ -50,6 +50,8 @@ def main():
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per cell (the median is reported)")
+    ap.add_argument("--sync", action="store_true",
+                    help="also each k > 0 with the overlap scheduler off (every MTP step reads its own verdict)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -60,16 +62,17 @@ def main():
         base = None
         run(args, args.ks[-1], ps[:c], c)  # untimed: kernels compile for this run's shapes before any timing
         for k in args.ks:
-            tps, toks, st = run(args, k, ps, c)
-            if k == 0:
-                base, base_tps = toks, tps
-            same = sum(a == b for x, y in zip(toks, base) for a, b in zip(x, y)) / max(1, sum(map(len, base)))
-            per = "/".join(f"{a:.3f}" for a in st.get("per_position_acceptance", [])) or "-"
-            rows.append([c, k, len(ps), round(tps), f"{tps / base_tps:.2f}x", per,
-                         f"{st['mean_accepted_len']:.2f}" if st else "-", f"{same:.3f}"])
-            print(rows[-1], flush=True)
+            for overlap in (True, False) if (args.sync and k) else (True,):
+                tps, toks, st = run(args, k, ps, c, overlap)
+                if k == 0:
+                    base, base_tps = toks, tps
+                same = sum(a == b for x, y in zip(toks, base) for a, b in zip(x, y)) / max(1, sum(map(len, base)))
+                per = "/".join(f"{a:.3f}" for a in st.get("per_position_acceptance", [])) or "-"
+                rows.append([c, k, "on" if overlap else "off", len(ps), round(tps), f"{tps / base_tps:.2f}x", per,
+                             f"{st['mean_accepted_len']:.2f}" if st else "-", f"{same:.3f}"])
+                print(rows[-1], flush=True)
     report(f"MTP on mini ({args.device}, {args.dtype})",
-           table(["concurrency", "k", "requests", "output tok/s", "vs off", "acceptance per position",
+           table(["concurrency", "k", "overlap", "requests", "output tok/s", "vs off", "acceptance per position",
                   "mean accepted length", "tokens identical to MTP off"], rows), args.append,
            notes=f"{args.gen} new tokens per held-out prompt, greedy, EOS ignored; concurrency 1 runs the first"
                  f" {args.c1_prompts} prompts one at a time; an untimed pass first, so no kernel compiles in a"

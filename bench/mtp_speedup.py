@@ -1,6 +1,7 @@
 """MTP on vs off (k = 1, 2): output tok/s and acceptance. Random weights give near-zero acceptance, so a
 test-only drafter that replaces the MTP's drafts with the known greedy answer a given fraction of the time
-shows what the mechanism buys at that acceptance."""
+(``proposer.use_known_answers``: on the device, so MTP steps still overlap) shows what the mechanism buys at
+that acceptance. ``--sync`` adds each MTP row again with the overlap scheduler off, in the same run."""
 
 from __future__ import annotations
 
@@ -15,18 +16,7 @@ from common import report, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
-from dsv4.engine.proposer import rewrite_drafts
-
-
-def oracle(reference: dict, p_right: float, seed: int = 0):
-    rng = random.Random(seed)
-
-    def override(req, drafts):
-        ans, done = reference[tuple(req.prompt_ids)], len(req.output_ids)
-        return [ans[done + j] if done + j < len(ans) and rng.random() < p_right else (d + 1) % 256
-                for j, d in enumerate(drafts)]
-
-    return override
+from dsv4.engine.proposer import use_known_answers
 
 
 @torch.no_grad()
@@ -68,6 +58,8 @@ def main():
     ap.add_argument("--batch-invariant", action="store_true",
                     help="EngineConfig.batch_invariant: bf16 MTP on then equals MTP off, so the oracle drafter's"
                          " reference holds at any concurrency")
+    ap.add_argument("--sync", action="store_true",
+                    help="also every MTP row with the overlap scheduler off (each step reads its own verdict)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     if args.ks[0] != 0:
@@ -91,8 +83,10 @@ def main():
         for c in args.concurrency:
             batch = prompts[:c]
             drafters = [("MTP", None)] + ([] if k == 0 else [(f"oracle p={p}", p) for p in args.p_right])
-            for label, p in drafters:
-                rewrite_drafts(llm.engine, oracle(ref[c], p) if p is not None else None)
+            modes = [(label, p, ov) for label, p in drafters for ov in ((True, False) if k and args.sync else (True,))]
+            for label, p, overlap in modes:
+                use_known_answers(llm.engine, ref[c] if p is not None else None, p or 0.0)
+                llm.engine.overlap_scheduler = overlap
                 llm.engine.reset_stats()
                 t, out = timed(lambda llm=llm, batch=batch: llm.generate(batch, sp), repeat=args.repeat)
                 toks = [o.outputs[0].token_ids for o in out]
@@ -108,15 +102,16 @@ def main():
                        else _divergence_gap(ref_model, batch, [o for _, o in pairs], ref[c]))
                 st = llm.get_stats()["speculative"] or {}
                 speed = c * args.gen / t
-                rows.append([c, k, label if k else "off", speed, f"{speed / off_speed[c]:.2f}x",
+                rows.append([c, k, label if k else "off", "on" if overlap else "off", speed,
+                             f"{speed / off_speed[c]:.2f}x",
                              f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                              f"{same:.3f}", first, gap])
-        rewrite_drafts(llm.engine, None)
+        use_known_answers(llm.engine, None)
         del llm  # before the next model is built: a model of Flash's depth fits once
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    text = table(["concurrency", "k", "drafts", "output tok/s", "vs off", "acceptance", "mean accepted len",
+    text = table(["concurrency", "k", "drafts", "overlap", "output tok/s", "vs off", "acceptance", "mean accepted len",
                   "tokens identical to MTP off", "first divergence",
                   "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))
     report(f"MTP on vs off, {args.preset}, {args.gen} output tokens"

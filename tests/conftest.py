@@ -63,12 +63,15 @@ def count_overlapped(monkeypatch):
 @pytest.fixture
 def verify_path(monkeypatch):
     """Where MTP steps verify: set ``["device"] = False`` to force the host path (``spec.accept_sampled`` /
-    ``accept_greedy``, what the multi-rank driver runs). Counts the verify steps (steps with drafts) that
-    took each path in ``["on_device"]`` / ``["on_host"]``."""
+    ``accept_greedy``, what the multi-rank driver runs; MTP steps then do not overlap either). Counts the verify
+    steps (steps with drafts) that took each path in ``["on_device"]`` (overlapped or not; ``["overlapped"]``
+    the overlapped ones) / ``["on_host"]``."""
     from dsv4.engine.engine import LLMEngine
 
-    state = {"device": True, "on_device": 0, "on_host": 0}
+    state = {"device": True, "on_device": 0, "on_host": 0, "overlapped": 0}
     real = LLMEngine._verifies_on_device
+    real_launch = LLMEngine._launch_mtp
+    real_overlaps = LLMEngine.overlaps_steps
 
     def verifies_on_device(self, seqs):
         ok = state["device"] and real(self, seqs)
@@ -76,5 +79,14 @@ def verify_path(monkeypatch):
             state["on_device" if ok else "on_host"] += 1
         return ok
 
+    def launch_mtp(self, seqs, plan, target):
+        if any(s.drafts for s in seqs):
+            state["on_device"] += 1
+            state["overlapped"] += 1
+        return real_launch(self, seqs, plan, target)
+
     monkeypatch.setattr(LLMEngine, "_verifies_on_device", verifies_on_device)
+    monkeypatch.setattr(LLMEngine, "_launch_mtp", launch_mtp)
+    monkeypatch.setattr(LLMEngine, "overlaps_steps",
+                        property(lambda self: real_overlaps.fget(self) and (state["device"] or not self.draft_len)))
     return state

@@ -121,7 +121,7 @@ def check_report(rep: dict, env: dict, mtp: bool, tp: int = 1, attention_dp: boo
     par = e["parallel"]
     assert (par["tp"], par["pp"], par["ep"], par["world_size"]) == (tp, 1, tp, tp)
     assert par["enable_attention_dp"] == attention_dp
-    assert e["overlap_scheduler"] == ("off (MTP steps read their tokens at once)" if mtp else "on")
+    assert e["overlap_scheduler"] == ("on" if tp == 1 else "off (several ranks)")  # (with MTP too)
     kv = e["kv_cache"]
     assert (kv["dtype"], kv["tokens_per_block"], kv["free_gpu_memory_fraction"]) == ("fp8", 128, 0.9)
     assert kv["num_slots"] >= 1 and kv["num_blocks"] >= 1 and "KV cache:" in kv["summary"]
@@ -183,8 +183,9 @@ def test_seed_bisect_matrix(env, capsys, mtp, attention_dp):
     assert "note: moe_config.backend=TRTLLM" in err  # the mapping notes are said visibly
     if mtp:
         steps = [json.loads(line) for line in itlog.read_text().splitlines()]
-        assert len(steps) == rep["requests"]["num_engine_steps"] > 0
-        assert all(s["step_time_ms"] > 0 and s["num_seqs"] >= 1 for s in steps)
+        # (with the overlap scheduler a call may only read back the last launched step: no seqs)
+        assert len([s for s in steps if s["num_seqs"]]) == rep["requests"]["num_engine_steps"] > 0
+        assert all(s["step_time_ms"] > 0 and (s["num_seqs"] >= 1 or s["num_emitted"] > 0) for s in steps)
         assert sum(s["num_emitted"] for s in steps) >= rep["requests"]["total_output_tokens"]
 
 

@@ -40,3 +40,13 @@ def test_mini_drafts_and_acceptance_on_cuda_equal_the_dense_reference(prompts, r
     assert not wrong, wrong[:8]
     st = run.stats
     assert st["acceptance_rate"] > 0.3 and st["num_accepted_tokens"] == sum(v.accepted for v in run.verifies)
+
+
+@pytest.mark.parametrize("k", [2])
+def test_mini_overlapped_mtp_equals_sync_on_cuda(prompts, reference, k):
+    """The overlapped MTP step (verify launched from the previous step's device verdict, graphs replayed) against
+    the synchronous one on the GPU in fp32: the same tokens and acceptance; both equal MTP off."""
+    over = run_engine("mini", prompts, k, **CUDA)
+    sync = run_engine("mini", prompts, k, disable_overlap_scheduler=True, **CUDA)
+    assert over.outputs == sync.outputs == reference.outputs
+    assert over.stats == sync.stats and over.stats["num_accepted_tokens"] > 0

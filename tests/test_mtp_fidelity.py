@@ -19,7 +19,7 @@ engine's own draft d_{j-1} (teacher forcing), so every draft position is judged 
 The model is the trained built-in ``mini`` (its MTP drafts are right most of the time, so both branches of
 acceptance run on real drafts), with held-out prompts of mixed lengths. ``MODEL`` may name any checkpoint or
 preset: with a random preset (``tiny``) the MTP drafts are almost never right, which is why every run also
-has a twin with a test-only drafter (``proposer.rewrite_drafts``) that replaces the drafts by the known answer
+has a twin with a test-only drafter (``proposer.use_known_answers``) that replaces the drafts by the known answer
 part of the time (the MTP's own drafts are still the ones checked against the dense reference).
 """
 
@@ -34,11 +34,10 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.cache.plan import DraftTables
-from dsv4.engine.proposer import rewrite_drafts
+from dsv4.engine.proposer import use_known_answers
 from dsv4.engine.spec import DeviceVerdict
 from dsv4.model.dense import DenseBackend
 
-from .drafters import oracle
 
 MODEL = "mini"  # the trained built-in model; any preset name or checkpoint directory works too
 # token-id prompts, or None: random prompts sized from the model config (for a preset such as "tiny")
@@ -149,9 +148,11 @@ class Run:
 
 def capture(engine, run: Run):
     """Wrap the runner's ``propose`` (the one place drafts are made): it receives the step's verified drafts
-    (``seqs[b].drafts``) and accepted counts (host ints, or a verdict still on the device) and returns the
-    MTP's new drafts; the ``choose`` callback it is handed sees the MTP logits each draft is taken from. What
-    it saw is recorded once the step has appended its tokens (``Run.flush``, after every step)."""
+    (``seqs[b].drafts``, or on the device after an overlapped step) and accepted counts (host ints, or a verdict
+    still on the device) and returns the MTP's new drafts; the ``choose`` callback it is handed sees the MTP
+    logits each draft is taken from. What it saw is recorded at the end of the run (``Run.flush``): with the
+    overlap scheduler a step's tokens are appended a step later, and a step may run for a request that had
+    already ended (its results are dropped: its records are too)."""
     real = engine.runner.propose
 
     def propose(seqs, plan, target, num_accepted, drafting, draft_len, choose):
@@ -170,27 +171,32 @@ def capture(engine, run: Run):
 
 
 def _record(run: Run, seqs, plan, num_accepted, drafting, drafts, logits) -> None:
+    verified = [s.drafts for s in seqs]
     if isinstance(num_accepted, DeviceVerdict):
-        num_accepted = num_accepted.read()[1]
+        _, num_accepted, verified = num_accepted.read_all()  # (the drafts as the device verified them)
         run.device_verdicts += 1
+    computed = plan.rows[:len(seqs)].tolist()  # C of each seq (an overlapped step's is known on the device)
+    drafts = drafts.tolist()
     run.partial_chunks += sum(1 for s in seqs if not s.sample)
-    prefill = [C + s.num_new <= len(s.request.prompt_ids) for s, C in zip(seqs, plan.num_computed)]
+    prefill = [C + s.num_new <= len(s.request.prompt_ids) for s, C in zip(seqs, computed)]
     run.mixed_steps += any(s.drafts for s in seqs) and any(prefill)
     for b, s in enumerate(seqs):
         req = s.request
-        if s.drafts:
-            run.verifies.append(Verify(req.request_id, plan.num_computed[b], tuple(s.drafts),
-                                       num_accepted[b] - 1))
-        if drafting[b] and req.finish_reason is None:  # a request that ended at this step drafts for nothing
-            n = plan.num_computed[b] + num_accepted[b]
-            toks = tuple(req.tokens)
-            assert len(toks) == n + 1, (req.request_id, len(toks), n)
-            run.proposals.append(Proposal(req.request_id, toks, n, tuple(drafts[b]), tuple(logits[b])))
+        final = req.tokens
+        if s.drafts and computed[b] < len(final) - 1:  # (a later one ran after the request had ended)
+            run.verifies.append(Verify(req.request_id, computed[b], tuple(verified[b]), num_accepted[b] - 1))
+        n = computed[b] + num_accepted[b]
+        if drafting[b] and n + 1 < len(final):  # a request that ended at this step drafts for nothing
+            run.proposals.append(Proposal(req.request_id, tuple(final[:n + 1]), n, tuple(drafts[b]),
+                                          tuple(logits[b])))
 
 
-def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, patches=(), **llm_kw) -> Run:
+def run_engine(model: str, prompts, k: int, *, answers=None, seed: int = 0, after_step=None, patches=(),
+               **llm_kw) -> Run:
     """Generate greedily with MTP k (k = 0: off), chunked prefill, the cache's integrity check after every
-    step; record every proposal and verify. ``llm_kw`` go to ``LLM`` (e.g. device="cuda")."""
+    step; record every proposal and verify. ``answers`` (prompt -> MTP off's output): a known-answer drafter
+    replaces 60% of the drafts by the answer (``proposer.use_known_answers``; MTP steps still overlap).
+    ``llm_kw`` go to ``LLM`` (e.g. device="cuda")."""
     with pytest.MonkeyPatch.context() as mp:
         for obj, name, value in patches:
             mp.setattr(obj, name, value)
@@ -199,17 +205,17 @@ def run_engine(model: str, prompts, k: int, *, override=None, after_step=None, p
         run = Run([list(p) for p in prompts], [], [], model=llm.model)
         if k:
             capture(eng, run)
-        if override is not None:
-            rewrite_drafts(eng, override)
+        if answers is not None:
+            use_known_answers(eng, answers, 0.6, seed=seed)
         sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         run.rids = [eng.add_request(p, sp) for p in prompts]
         steps = 0
         while eng.has_unfinished_requests():
             eng.step()
-            run.flush()
             steps += 1
             if after_step is not None:
                 after_step(eng, steps)
+        run.flush()
         run.outputs = [list(eng.requests[r].output_ids) for r in run.rids]
         assert eng.cache.num_free_blocks == eng.cache.num_blocks
         eng.cache.check_integrity()
@@ -341,11 +347,10 @@ def runs(model_name, prompts, reference):
 
     def get(k: int, drafter: str) -> Run:
         if (k, drafter) not in memo:
-            override = None
+            answers = None
             if drafter == "oracle":
                 answers = {tuple(p): o for p, o in zip(reference.prompts, reference.outputs)}
-                override = oracle(answers, 0.6, seed=k, vocab=reference.model.cfg.vocab_size)
-            memo[k, drafter] = run_engine(model_name, prompts, k, override=override)
+            memo[k, drafter] = run_engine(model_name, prompts, k, answers=answers, seed=k)
         return memo[k, drafter]
 
     return get

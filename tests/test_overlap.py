@@ -126,13 +126,18 @@ def test_a_failing_step_ends_its_requests_and_the_overlapped_ones(monkeypatch):
 
 def test_warmup_runs_an_overlapped_step(count_overlapped):
     """Warmup's decode path takes an input from the device: the overlap scheduler is exercised before
-    serving (and it is off with MTP, whose warmup paths read every step's tokens at once)."""
+    serving; with MTP its verify path takes the bonus token and the drafts from the device (1 + k inputs)."""
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096})
     assert sum(count_overlapped) > 0 and llm.engine.overlaps_steps
     count_overlapped.clear()
     mtp = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1})
-    assert sum(count_overlapped) == 0 and not mtp.engine.overlaps_steps
+    assert mtp.engine.overlaps_steps and any(n >= 2 * 4 for n in count_overlapped)  # 4 requests x (1 + 1)
+    count_overlapped.clear()
+    off = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1},
+              disable_overlap_scheduler=True)
+    assert sum(count_overlapped) == 0 and not off.engine.overlaps_steps
 
 
 def _random_workload(seed: int, overlap: bool) -> tuple[dict, collections.Counter]:

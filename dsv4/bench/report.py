@@ -105,12 +105,14 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
 
 
 def _overlap(llm, cfg) -> str:
-    """on, or off and why (disable_overlap_scheduler, MTP, several ranks)."""
+    """on, or off and why (disable_overlap_scheduler, several ranks, a drafter that drafts on the host)."""
     if llm.engine.overlaps_steps:
         return "on"
     if cfg.disable_overlap_scheduler:
         return "off (disable_overlap_scheduler)"
-    return "off (MTP steps read their tokens at once)" if cfg.draft_len else "off (several ranks)"
+    if llm.engine.runner.supports_overlap:
+        return "off (the drafter drafts on the host)"
+    return "off (several ranks)"
 
 
 def _graphs(llm) -> dict | None:

@@ -120,7 +120,8 @@ def _drive(engine, reqs: list[DatasetRequest], records: list[RequestRecord] | No
         outs = engine.step()
         now = time.perf_counter()
         progressed = engine.num_steps != steps_before
-        if progressed and iteration_log is not None:
+        # (a call that only read back an overlapped step's tokens logs as a step of no seqs)
+        if (progressed or outs) and iteration_log is not None:
             iteration += 1
             entry = {"iteration": iteration, **engine.last_step, "step_time_ms": (now - t_start) * 1e3,
                      "elapsed_s": now - t0, "num_in_flight": len(inflight), "num_waiting_to_add": len(pending)}

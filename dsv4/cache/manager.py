@@ -18,6 +18,13 @@ rings may hold writes of a step that was never committed). "Cannot fit" is an ``
 exception; programming errors (unknown request, missing reservation) raise with a message naming the call
 that was missing.
 
+Overlapped MTP steps (the engine launches step N+1 before it reads step N's acceptance): ``commit_step(plan,
+lower, unsettled=...)`` commits the rows every outcome keeps (``lower``) and leaves up to ``unsettled[b]`` more
+unsettled; ``settle(plan, extras)`` adds them once the host has read them. Meanwhile a request's committed
+length is known on the device only: ``begin_step(..., shift=...)`` takes it as a device tensor, and its
+reservation covers the largest length the step can settle to (R5 for the worst case). A request freed before
+its step settles takes its unsettled rows with it.
+
 Set the environment variable ``DSV4_CHECK_CACHE=1`` to run ``check_integrity()`` after every
 ``commit_step``, ``free`` and ``abort_step`` (R6; the tests keep it on).
 """
@@ -76,7 +83,12 @@ class SeqStep:
 class _Req:
     slot: int
     blocks: list = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0  # committed rows the host knows (a lower bound while ``unsettled`` holds any)
+    unsettled: dict = field(default_factory=dict)  # step id -> the most rows that step may still commit
+
+    @property
+    def max_computed(self) -> int:
+        return self.num_computed + sum(self.unsettled.values())
 
 
 class KVCacheManager:
@@ -116,7 +128,12 @@ class KVCacheManager:
         return req_id in self._reqs
 
     def num_computed(self, req_id) -> int:
+        """Committed rows (a lower bound while a step of the request is unsettled: ``num_unsettled``)."""
         return self._get(req_id, "num_computed").num_computed
+
+    def num_unsettled(self, req_id) -> int:
+        """The most rows the request's unsettled steps may still commit (0: its length is known)."""
+        return sum(self._get(req_id, "num_unsettled").unsettled.values())
 
     def num_reserved_tokens(self, req_id) -> int:
         return len(self._get(req_id, "num_reserved_tokens").blocks) * self.layout.tokens_per_block
@@ -181,12 +198,14 @@ class KVCacheManager:
     # ---- steps ----------------------------------------------------------------------------------------
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None,
-                   max_blocks: int | None = None, device="cpu") -> StepPlan:
+                   max_blocks: int | None = None, device="cpu", shift=None) -> StepPlan:
         """Build the StepPlan of one step and make it the active plan (see plan.py for its tables).
 
-        Every request must be admitted and have reserved C + num_new tokens. Padding arguments give fixed
-        shapes for CUDA graphs: pad_tokens_to (N), pad_batch_to (B), max_entries (E of entry_rows),
-        max_blocks (width of block_table).
+        Every request must be admitted and have reserved C + num_new tokens (C at its largest, for a request
+        with unsettled rows). Padding arguments give fixed shapes for CUDA graphs: pad_tokens_to (N),
+        pad_batch_to (B), max_entries (E of entry_rows), max_blocks (width of block_table). ``shift``: a
+        device tensor [len(seqs)], each request's committed rows beyond ``num_computed`` (0 .. its
+        ``num_unsettled``), needed when any request of the step has unsettled rows.
         """
         if self._active is not None:
             raise StepOrderError(f"begin_step: step {self._active.step_id} is still active; call "
@@ -209,19 +228,25 @@ class KVCacheManager:
                 raise ValueError(f"begin_step: request {s.req_id!r} asks for draft_len={s.draft_len} but the "
                                  f"cache was sized for max_draft_len={maxd}; build the cache with a larger "
                                  "max_draft_len or draft less")
-            end = req.num_computed + s.num_new
+            end = req.max_computed + s.num_new
             have = len(req.blocks) * self.layout.tokens_per_block
             if end > have:
-                raise ValueError(f"begin_step: request {s.req_id!r} schedules positions {req.num_computed}.."
-                                 f"{end - 1} but has reserved {have} tokens; call reserve({s.req_id!r}, {end}) "
-                                 "(plus draft lookahead) before scheduling it")
+                raise ValueError(f"begin_step: request {s.req_id!r} schedules positions up to {end - 1} but has"
+                                 f" reserved {have} tokens; call reserve({s.req_id!r}, {end}) (plus draft"
+                                 " lookahead) before scheduling it")
             reqs.append(req)
+        unsettled = [r.max_computed - r.num_computed for r in reqs]
+        if any(unsettled) and shift is None:
+            rid = next(s.req_id for s, u in zip(seqs, unsettled) if u)
+            raise StepOrderError(f"begin_step: request {rid!r} has unsettled rows of an overlapped step; pass"
+                                 " shift= (its accepted rows on the device), or settle(plan, extras) first")
         plan = build_plan(
             self.layout, num_slots=self.num_slots, owner=self.uid, step_id=self._step_id, req_ids=tuple(ids),
             num_computed=tuple(r.num_computed for r in reqs), num_new=tuple(s.num_new for s in seqs),
             draft_lens=tuple(s.draft_len for s in seqs), slots=tuple(r.slot for r in reqs),
             block_tables=[tuple(r.blocks) for r in reqs], pad_tokens_to=pad_tokens_to,
-            pad_batch_to=pad_batch_to, max_entries=max_entries, max_blocks=max_blocks, device=device)
+            pad_batch_to=pad_batch_to, max_entries=max_entries, max_blocks=max_blocks, device=device,
+            unsettled=unsettled, shift=shift if any(unsettled) else None)
         self._active = plan
         return plan
 
@@ -236,27 +261,58 @@ class KVCacheManager:
             raise StalePlanError(f"StepPlan of step {plan.step_id} is stale: {now}; "
                                  "a plan is valid for one step only, build a new one with begin_step()")
 
-    def commit_step(self, plan: StepPlan, num_accepted: Sequence[int]) -> None:
+    def commit_step(self, plan: StepPlan, num_accepted: Sequence[int],
+                    unsettled: Sequence[int] | None = None) -> None:
         """Raise each request's committed length by its accepted count a (1 <= a <= num_new).
 
         a < num_new rolls back the rest: only the committed length drops, nothing is rewritten (R4). At most
         max_draft_len tokens of a request may be rejected; the rings have only that much headroom.
+        ``unsettled[b]``: up to that many more of request b's rows may be accepted, which only the device
+        knows yet (an overlapped MTP step): a is then the rows every outcome keeps, and ``settle`` adds the
+        rest. The request's reservation already covers them (``begin_step`` checked C + num_new).
         """
         self.check_plan(plan)
         acc = [int(a) for a in num_accepted]
-        if len(acc) != plan.num_seqs:
-            raise ValueError(f"commit_step: {len(acc)} accepted counts for {plan.num_seqs} requests")
+        more = [0] * len(acc) if unsettled is None else [int(u) for u in unsettled]
+        if len(acc) != plan.num_seqs or len(more) != plan.num_seqs:
+            raise ValueError(f"commit_step: {len(acc)} accepted counts and {len(more)} unsettled counts for"
+                             f" {plan.num_seqs} requests")
         maxd = self.layout.max_draft_len
-        for rid, n, a in zip(plan.req_ids, plan.num_new, acc):
-            if not 1 <= a <= n:
-                raise ValueError(f"commit_step: request {rid!r} accepted {a} of {n} tokens; need 1 <= a <= {n}")
+        for rid, n, a, u in zip(plan.req_ids, plan.num_new, acc, more):
+            if not 1 <= a <= n or not 0 <= u <= n - a:
+                raise ValueError(f"commit_step: request {rid!r} accepted {a} of {n} tokens (+ up to {u}"
+                                 f" unsettled); need 1 <= a <= a + unsettled <= {n}")
             if n - a > maxd:
                 raise ValueError(f"commit_step: request {rid!r} rejects {n - a} of {n} tokens, more than "
                                  f"max_draft_len={maxd}; the rings keep only max_draft_len rows of headroom")
-        for rid, a in zip(plan.req_ids, acc):
-            self._reqs[rid].num_computed += a
+        for rid, a, u in zip(plan.req_ids, acc, more):
+            req = self._reqs[rid]
+            req.num_computed += a
+            if u:
+                req.unsettled[plan.step_id] = u
         self._step_id += 1
         self._active = None
+        self._maybe_check()
+
+    def settle(self, plan: StepPlan, extras: dict) -> None:
+        """Commit the rows a committed step left unsettled: ``extras`` maps a request of ``plan`` to the rows
+        its step accepted beyond those ``commit_step`` took (0 .. its unsettled count). A request freed since
+        (finished, aborted, preempted) is left out by the caller; one that lacks the step's unsettled rows
+        is an error."""
+        if plan.owner != self.uid:
+            raise StalePlanError(f"settle: the plan of step {plan.step_id} was built by cache manager"
+                                 f" #{plan.owner}, not by this one (#{self.uid})")
+        for rid, extra in extras.items():
+            req = self._get(rid, "settle")
+            most = req.unsettled.get(plan.step_id)
+            if most is None:
+                raise StepOrderError(f"settle: request {rid!r} has no unsettled rows of step {plan.step_id}"
+                                     f" (unsettled: {req.unsettled}); commit_step(plan, ..., unsettled=) first")
+            if not 0 <= int(extra) <= most:
+                raise ValueError(f"settle: request {rid!r} accepted {extra} more rows of step {plan.step_id};"
+                                 f" need 0 <= extra <= {most}")
+            del req.unsettled[plan.step_id]
+            req.num_computed += int(extra)
         self._maybe_check()
 
     def abort_step(self, plan: StepPlan) -> None:
@@ -309,24 +365,27 @@ class KVCacheManager:
         owned_once("slot", self._free_slots, self.num_slots, [(r, [q.slot]) for r, q in self._reqs.items()])
         owned_once("block", self._free_blocks, self.num_blocks, [(r, q.blocks) for r, q in self._reqs.items()])
         for rid, q in self._reqs.items():
-            if q.num_computed < 0 or q.num_computed > len(q.blocks) * tpb:
+            if q.num_computed < 0 or q.max_computed > len(q.blocks) * tpb:
                 errors.append(f"request {rid!r}: committed length {q.num_computed} outside reserved "
-                              f"0..{len(q.blocks) * tpb}")
+                              f"0..{len(q.blocks) * tpb} (up to {q.max_computed} once settled)")
+            if any(s >= self._step_id or not 0 < u <= maxd for s, u in q.unsettled.items()):
+                errors.append(f"request {rid!r}: unsettled rows {q.unsettled} name a step not committed yet or"
+                              f" a count outside 1..max_draft_len={maxd}")
         if self._active is not None:
             p = self._active
             if p.owner != self.uid or p.step_id != self._step_id:
                 errors.append(f"active plan (manager #{p.owner}, step {p.step_id}) does not belong to this "
                               f"manager's current step (#{self.uid}, step {self._step_id})")
-            for rid, c, n, d in zip(p.req_ids, p.num_computed, p.num_new, p.draft_lens):
+            for rid, c, n, d, u in zip(p.req_ids, p.num_computed, p.num_new, p.draft_lens, p.unsettled):
                 q = self._reqs.get(rid)
                 if q is None:
                     errors.append(f"active plan names request {rid!r}, which is not admitted")
                     continue
-                if q.num_computed != c:
-                    errors.append(f"request {rid!r}: committed length {q.num_computed} changed under the "
-                                  f"active plan (built with {c})")
-                if c + n > len(q.blocks) * tpb:
-                    errors.append(f"request {rid!r}: active plan reaches position {c + n - 1} beyond its "
+                if q.num_computed != c or q.max_computed - q.num_computed != u:
+                    errors.append(f"request {rid!r}: committed length {q.num_computed} (+{q.max_computed - c}"
+                                  f" unsettled) changed under the active plan (built with {c} + {u})")
+                if c + u + n > len(q.blocks) * tpb:
+                    errors.append(f"request {rid!r}: active plan reaches position {c + u + n - 1} beyond its "
                                   f"{len(q.blocks) * tpb} reserved tokens")
                 if not 0 <= d <= maxd:
                     errors.append(f"request {rid!r}: draft_len {d} outside 0..{maxd}")

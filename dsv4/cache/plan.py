@@ -187,7 +187,8 @@ class StepPlan:
     """Everything one step's forward reads; built only by ``KVCacheManager.begin_step`` (see module doc).
 
     Shapes: B = batch rows (padded to pad_batch_to), N = step tokens (padded to pad_tokens_to), W = window.
-    Host tuples describe the real (unpadded) requests. The device tables (``positions``, ``swa_read``,
+    Host tuples describe the real (unpadded) requests; where ``unsettled[b] > 0`` request b's committed length
+    is known only on the device (``num_computed[b]`` is its lower bound, see ``build_plan``). The device tables (``positions``, ``swa_read``,
     ``ratio_tables``, ...) are expanded from ``rows`` on first use: a step that replays a CUDA graph never
     asks for them (the graph expands its own copy of ``rows``), so its host work is one vector and one copy.
     """
@@ -203,10 +204,13 @@ class StepPlan:
     num_tokens: int             # real N
     num_seqs: int               # real B
     shape: PlanShape
-    num_windows: Mapping[int, int]  # real windows closed in this step, per ratio
+    num_windows: Mapping[int, int] | None  # real windows closed in this step, per ratio (None: shifted)
     layout: CacheLayout
     num_slots: int
     rows: torch.Tensor          # the flat per-row vector (PlanShape.row_vector_size) on the plan's device
+    # per request: the most committed rows its C may lack on the host (an overlapped MTP step's acceptance,
+    # still on the device): ``num_computed`` is then a lower bound and ``rows`` holds C + the device's shift
+    unsettled: tuple = ()
 
     @property
     def swa_step_base(self) -> int:
@@ -370,14 +374,25 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
                num_computed: Sequence[int], num_new: Sequence[int], draft_lens: Sequence[int],
                slots: Sequence[int], block_tables: Sequence[Sequence[int]], pad_tokens_to: int | None = None,
                pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-               device="cpu") -> StepPlan:
+               device="cpu", unsettled: Sequence[int] | None = None,
+               shift: torch.Tensor | None = None) -> StepPlan:
     """Turn a validated batch (host ints) into a StepPlan. Pure: reads only its arguments.
 
     The manager validates requests; this checks only the padding arguments, which it alone interprets.
     The host work is the shapes and one flat per-row vector, moved in one copy; ``expand_rows`` turns it
     into the tables on ``device`` when they are first read, so a decode step's host work does not grow with
     the context length, and a graphed step's does not depend on the tables at all.
+
+    ``shift`` (a device tensor [len(req_ids)], with ``unsettled``): the committed rows each request has beyond
+    ``num_computed`` that only the device knows yet (an overlapped MTP step's accepted drafts), between 0 and
+    ``unsettled[b]``. It is added to the C column on the device (no host read), and the shapes are sized for the
+    largest C it allows, so the plan is the one ``num_computed + shift`` would give, on the device.
     """
+    unsettled = tuple(int(u) for u in unsettled) if unsettled is not None else (0,) * len(req_ids)
+    if len(unsettled) != len(req_ids) or any(u < 0 for u in unsettled):
+        raise ValueError(f"unsettled must give a count >= 0 for each of the {len(req_ids)} requests")
+    if any(unsettled) and shift is None:
+        raise ValueError("a plan with unsettled rows needs the device's shift of each request's C")
     B, N = len(req_ids), int(sum(num_new))
     Bp = B if pad_batch_to is None else int(pad_batch_to)
     Np = N if pad_tokens_to is None else int(pad_tokens_to)
@@ -393,10 +408,12 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
 
     C = np.asarray(num_computed, dtype=np.int64)
     n = np.asarray(num_new, dtype=np.int64)
-    end = int((C + n).max()) if B else 0                                   # one past the last position
+    U = np.asarray(unsettled, dtype=np.int64)
+    end = int((C + U + n).max()) if B else 0                               # one past the last position
     windows, entries, real_windows = [], [], {}
     for r in layout.ratios:
-        M = int(((C + n) // r - C // r).sum())
+        # (a shifted row closes at most n // r + 1 windows, wherever its C lands)
+        M = int(np.where(U > 0, n // r + 1, (C + n) // r - C // r).sum())
         real_windows[r] = M
         Mp = Np // r + Bp if padded else M
         assert M <= Mp, (M, Mp)
@@ -411,11 +428,15 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
                                  f" this step sees {max_count}; size max_entries for max_seq_len // min(ratio)")
         entries.append((r, E))
     shape = PlanShape(Bp, Np, nb, tuple(windows), tuple(entries))
-    rows = row_vector(shape, num_computed, num_new, slots, draft_lens, block_tables)
+    rows = to_device(row_vector(shape, num_computed, num_new, slots, draft_lens, block_tables), device)
+    if shift is not None:
+        if tuple(shift.shape) != (B,):
+            raise ValueError(f"shift must have shape [{B}] (one per request), got {tuple(shift.shape)}")
+        rows[:B] += shift.to(device=rows.device, dtype=rows.dtype)
     return StepPlan(
         owner=owner, step_id=step_id, req_ids=tuple(req_ids), num_computed=tuple(num_computed),
         num_new=tuple(num_new), draft_lens=tuple(draft_lens), slot_ids=tuple(slots),
         block_ids=tuple(tuple(b) for b in block_tables), num_tokens=N, num_seqs=B, shape=shape,
-        num_windows=MappingProxyType(real_windows), layout=layout, num_slots=num_slots,
-        rows=to_device(rows, device),
+        num_windows=None if any(unsettled) else MappingProxyType(real_windows), layout=layout,
+        num_slots=num_slots, rows=rows, unsettled=unsettled,
     )

@@ -13,22 +13,34 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
+
 import torch
 
 from ..cache.manager import SeqStep
 from ..config import ModelConfig
-from ..transfer import HostCopy
+from ..transfer import HostCopy, to_device
 from .outputs import CompletionOutput, RequestOutput
-from .proposer import MtpProposer, Proposer
+from .proposer import DeviceProposals, MtpProposer, Proposer
 from .protocols import StepCache, StepScheduler
-from .request import Request, Status
+from .request import InFlight, Request, Status
 from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import StepLogprobs, greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
-from .spec import SpecStats, accept_greedy, accept_on_device, accept_sampled
+from .spec import DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled
 
 log = logging.getLogger("dsv4")
+
+
+@dataclass(frozen=True)
+class LaunchedMtp:
+    """What the host reads of an overlapped MTP step (``LaunchedStep.mtp``)."""
+
+    plan: object  # its StepPlan: the cache settles its accepted drafts (``cache.settle``)
+    verdict: DeviceVerdict
+    proposals: DeviceProposals
+    epochs: tuple[int, ...]  # per seq: its request's num_preemptions at launch (one preempted since holds no rows)
 
 
 class RequestError(ValueError):
@@ -100,48 +112,66 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs of the requests that gained tokens or finished.
 
-        With the overlap scheduler a step without MTP is launched and left running: its tokens are read back
-        in the next call, after that call has launched the next step (whose inputs come straight from the
-        device), so each call returns the previous step's tokens. A step that cannot overlap (MTP, overlap
-        disabled, the multi-rank driver) reads its own tokens as before.
+        With the overlap scheduler a step is launched and left running: its tokens are read back in the next
+        call, after that call has launched the next step (whose inputs come straight from the device), so each
+        call returns the previous step's tokens. With MTP the launched step verifies on the device and leaves
+        its acceptance and drafts there too: the next step's positions come from the device (the cache plan's
+        C column), its inputs are the device's bonus token and drafts, and the step's accepted rows are
+        committed in two parts: those every outcome keeps at once, the rest (``cache.settle``) when read back.
+        A step that cannot overlap (overlap disabled, a proposer that drafts on the host, the multi-rank
+        driver) reads its own tokens as before.
         """
         prev, self._pending = self._pending, None
+        early: list[RequestOutput] = []
+        if prev is not None and prev.mtp is not None and not self.overlaps_steps:  # switched off meanwhile
+            early, prev = self._settle(*self._resolve(prev)), None
         seqs = self.scheduler.schedule()
-        if not seqs:
-            return self._settle(*self._resolve(prev)) if prev is not None else []
+        if not seqs:  # (every request waits for tokens on the device: a call that only reads them back)
+            done = self._resolve(prev) if prev is not None else ([], [])
+            self.last_step = {"step": self.num_steps, "num_seqs": 0, "num_tokens": 0, "num_context": 0,
+                              "num_generation": 0, "num_emitted": sum(len(e) for e in done[1]),
+                              "num_free_blocks": self.cache.num_free_blocks}
+            return early + self._settle(*done)
         mtp = self.draft_len > 0
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (mtp and s.sample) else 0) for s in seqs],
-            device=self.device, **self.runner.padding_for(seqs))
+            device=self.device, shift=self._shift(seqs, prev), **self.runner.padding_for(seqs))
         done: tuple[list, list] = ([], [])
+        launched, committed = None, False
         try:
             target = self.runner.forward(seqs, plan, prev)
-            launched = self._launch(seqs, target) if self._overlaps(seqs) else None
+            if self._overlaps(seqs):
+                launched = self._launch_mtp(seqs, plan, target) if mtp else self._launch(seqs, target)
+                # the rows every outcome keeps (an MTP step's accepted drafts settle when they are read back)
+                accepted, emitted = [s.num_new - len(s.drafts) for s in seqs], [[] for _ in seqs]
+                self._commit(plan, seqs, accepted, [len(s.drafts) for s in seqs])
+                committed = True
             if prev is not None:
                 done, prev = self._resolve(prev), None
-            if launched is not None:
-                accepted, emitted = [s.num_new for s in seqs], [[] for _ in seqs]
-            else:
+            if launched is None:
                 accepted, emitted = self._run(seqs, plan, target, mtp)
         except BaseException:
             # the step's rows may be half written: the cache frees its requests; they end with an error, and
             # so do those of an overlapped step whose tokens were not read back
-            self.cache.abort_step(plan)
+            if not committed:
+                self.cache.abort_step(plan)
             for s in seqs:
                 s.request.finish_reason = "error"
-                self.scheduler.forget(s.request)
+                if committed:
+                    self.scheduler.finish(s.request)
+                else:
+                    self.scheduler.forget(s.request)
             for s in (prev.seqs if prev is not None else ()):
                 if not s.request.finished:
                     s.request.finish_reason = "error"
                     self.scheduler.finish(s.request)
             self._settle(*done)  # an overlapped step read back before the failure: release what it ended
             raise
-        self.cache.commit_step(plan, accepted)
-        for s, a in zip(seqs, accepted):
-            s.request.num_computed += a
+        if not committed:
+            self._commit(plan, seqs, accepted)
         self._pending = launched
         self.num_steps += 1
-        outs = self._settle(*done) + self._settle(seqs, emitted)
+        outs = early + self._settle(*done) + self._settle(seqs, emitted)
         self.last_step = {"step": self.num_steps, "num_seqs": len(seqs),
                           "num_tokens": sum(s.num_new for s in seqs),
                           "num_context": sum(1 for s in seqs if not s.request.in_decode or not s.sample),
@@ -149,6 +179,14 @@ class LLMEngine:
                           "num_emitted": sum(len(e) for e in done[1]) + sum(len(e) for e in emitted),
                           "num_free_blocks": self.cache.num_free_blocks}
         return outs
+
+    def _commit(self, plan, seqs: list[ScheduledSeq], accepted: list[int], unsettled: list[int] | None = None):
+        if unsettled is not None and any(unsettled):
+            self.cache.commit_step(plan, accepted, unsettled=unsettled)
+        else:
+            self.cache.commit_step(plan, accepted)
+        for s, a in zip(seqs, accepted):
+            s.request.num_computed += a
 
     def _settle(self, seqs: list[ScheduledSeq], emitted: list[list[int]]) -> list[RequestOutput]:
         """Release the requests that finished (outside any active step) and build the outputs of those that
@@ -167,9 +205,10 @@ class LLMEngine:
     # ---- the overlap scheduler ----------------------------------------------------------------------
     @property
     def overlaps_steps(self) -> bool:
-        """Whether steps overlap: the overlap scheduler on, no MTP, and a runner that takes inputs from the
-        device (not the multi-rank driver's)."""
-        return self.overlap_scheduler and self.draft_len == 0 and self.runner.supports_overlap
+        """Whether steps overlap: the overlap scheduler on, a runner that takes inputs from the device (not the
+        multi-rank driver's), and with MTP a proposer whose drafts stay on the device."""
+        return (self.overlap_scheduler and self.runner.supports_overlap
+                and (self.draft_len == 0 or (self.proposer is not None and self.proposer.overlaps)))
 
     def _overlaps(self, seqs: list[ScheduledSeq]) -> bool:
         """Leave this step's tokens on the device (a step that samples nothing has none)."""
@@ -191,11 +230,51 @@ class LLMEngine:
                 req.num_pending += 1
                 asks.append(req.params.logprobs)
         host = HostCopy(tokens)  # (queued first: read first)
-        return LaunchedStep(seqs, tokens, row_of, host, StepLogprobs.launch(rows, tokens, [1] * len(asks), asks))
+        return LaunchedStep(seqs, tokens[:, None], row_of, host,
+                            StepLogprobs.launch(rows, tokens, [1] * len(asks), asks))
+
+    def _shift(self, seqs: list[ScheduledSeq], prev: LaunchedStep | None) -> torch.Tensor | None:
+        """The committed rows each seq has beyond its host ``num_computed``, on the device: the drafts its
+        request accepted in ``prev``, an overlapped MTP step not read back yet (None when no seq has any)."""
+        if prev is None or prev.mtp is None or not any(s.request.unsettled for s in seqs):
+            return None
+        index = {s.request.request_id: b for b, s in enumerate(prev.seqs)}
+        pairs = [(b, index[s.request.request_id]) for b, s in enumerate(seqs) if s.request.unsettled]
+        t = to_device([b for b, _ in pairs] + [b for _, b in pairs], self.device)
+        shift = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        shift[t[:len(pairs)]] = prev.mtp.verdict.accepted_drafts[t[len(pairs):]]
+        return shift
+
+    def _launch_mtp(self, seqs: list[ScheduledSeq], plan, target: TargetOutput) -> LaunchedStep:
+        """An MTP step left on the device: acceptance (``spec.accept_on_device``, the drafts read from the
+        step's own inputs), the proposer's drafts from it, and the next step's inputs (the token after the
+        accepted drafts, then the new drafts), all queued for the host, which reads them in the next call."""
+        rows = target.all_rows()
+        verdict = accept_on_device(seqs, rows, target.inputs)
+        logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
+                                       [s.request.params.logprobs for s in seqs])
+        proposals = self.proposer.propose_on_device(seqs, plan, target, verdict)
+        sampled = [b for b, s in enumerate(seqs) if s.sample]
+        first_row = list(itertools.accumulate(verdict.rows_per_seq, initial=0))
+        t = to_device([first_row[b] for b in sampled] + sampled, self.device)
+        bonus = verdict.target_ids[t[:len(sampled)] + verdict.accepted_drafts[t[len(sampled):]]]
+        drafts = proposals.drafts
+        if drafts.active != tuple(sampled):
+            raise RuntimeError(f"the proposer drafted for seqs {drafts.active}, the step samples {sampled}")
+        inputs = torch.cat([bonus[:, None], drafts.tokens], 1) if drafts.tokens is not None else bonus[:, None]
+        for b in sampled:
+            req = seqs[b].request
+            req.inflight = InFlight(plan.step_id, len(seqs[b].drafts), inputs.shape[1] - 1)
+            req.draft_probs = proposals.probs.get(b)  # (the next step verifies against them on the device)
+        return LaunchedStep(seqs, inputs, {seqs[b].request.request_id: r for r, b in enumerate(sampled)},
+                            logprobs=logprobs, mtp=LaunchedMtp(plan, verdict, proposals,
+                                                               tuple(s.request.num_preemptions for s in seqs)))
 
     def _resolve(self, step: LaunchedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
         """Read back an overlapped step's tokens (and logprobs) and append them (a request that ended
         meanwhile, by an abort or at an earlier stop token, drops its token)."""
+        if step.mtp is not None:
+            return self._resolve_mtp(step)
         toks = step.host.tolist()
         logprobs = step.logprobs.read() if step.logprobs is not None else [None] * len(toks)
         emitted = []
@@ -207,6 +286,43 @@ class LLMEngine:
                 if req.finish_reason is None:
                     new = req.append([toks[r]], logprobs[r])
             emitted.append(new)
+        return step.seqs, emitted
+
+    def _resolve_mtp(self, step: LaunchedStep) -> tuple[list[ScheduledSeq], list[list[int]]]:
+        """Read back an overlapped MTP step: each request's emitted tokens (the host checks a greedy one's
+        accepted count with ``accept_greedy`` on the same argmax and drafts), its accepted drafts settled in
+        the cache, and the drafts its next step verifies. A request that ended meanwhile drops its tokens; one
+        preempted meanwhile keeps them but no longer holds the rows (nothing to settle)."""
+        m = step.mtp
+        ids, kept, checked = m.verdict.read_all()
+        row_logprobs = step.logprobs.read() if step.logprobs is not None else [None] * len(step.seqs)
+        proposed = m.proposals.read()
+        extras, emitted = {}, []
+        for b, s in enumerate(step.seqs):
+            req, new = s.request, []
+            if s.sample:
+                if req.inflight is not None and req.inflight.step_id == m.plan.step_id:
+                    req.inflight = None  # (a later launched step of the request keeps its own)
+                    if req.num_preemptions == m.epochs[b]:
+                        req.drafts = proposed[b]  # (what its next step verifies, if that runs on the host)
+                fixed = s.num_new - len(s.drafts)
+                if req.params.greedy:
+                    toks = accept_greedy(ids[b], checked[b])
+                    if fixed + len(toks) - 1 != kept[b]:
+                        raise RuntimeError(f"request {req.request_id!r}: acceptance on the device kept {kept[b]}"
+                                           f" rows, the host's {fixed + len(toks) - 1} (drafts {checked[b]},"
+                                           f" target {ids[b]})")
+                else:
+                    toks = ids[b][:kept[b] - fixed + 1]
+                if not req.finished and req.finish_reason is None:
+                    self.spec_stats.record(len(s.drafts), len(toks) - 1)
+                    lp = row_logprobs[b]
+                    new = req.append(toks, None if lp is None else lp[:len(toks)])
+                    if req.num_preemptions == m.epochs[b] and s.drafts:  # (0 extra rows settle too)
+                        extras[req.request_id] = len(toks) - 1
+                        req.num_computed += len(toks) - 1
+            emitted.append(new)
+        self.cache.settle(m.plan, extras)
         return step.seqs, emitted
 
     def _run(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,
@@ -251,7 +367,7 @@ class LLMEngine:
         counts read back (queued before the passes, so the read waits for nothing more than the drafts' own
         read did). The host checks a greedy seq's count against ``accept_greedy`` on the same argmax."""
         rows = target.all_rows()
-        verdict = accept_on_device(seqs, rows)
+        verdict = accept_on_device(seqs, rows, target.inputs)
         # the logprobs of every verify row's argmax, queued before the drafts; the accepted rows' are kept
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from ..transfer import HostCopy, to_device
+from .runner import DraftTokens
 from .sampler import greedy_tokens, probs_from_logits, sample
 from .scheduler import ScheduledSeq
 
@@ -28,16 +30,45 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DeviceProposals:
+    """Every sampling seq's drafts for its next step, left on the device (``propose_on_device``): the engine may
+    launch that step before the host reads them. ``probs[b]`` [k, V]: the q sampled seq b's drafts were drawn
+    from."""
+
+    drafts: DraftTokens  # one row per sampling seq, in step order
+    probs: dict
+    host: HostCopy | None  # drafts.tokens on their way to the host (None: no seq drafts)
+
+    @staticmethod
+    def of(drafts: DraftTokens, probs: dict) -> DeviceProposals:
+        """Queue the drafts' copy to the host now (the engine reads it after launching the next step)."""
+        return DeviceProposals(drafts, probs, HostCopy(drafts.tokens) if drafts.tokens is not None else None)
+
+    def read(self) -> list[list[int]]:
+        """Per seq, its drafts on the host ([] for a seq that does not sample); waits for their copy only."""
+        out: list[list[int]] = [[] for _ in range(self.drafts.num_seqs)]
+        if self.host is not None:
+            for b, row in zip(self.drafts.active, self.host.tolist()):
+                out[b] = row
+        return out
+
+
 class Proposer:
     """The interface (a base class with the defaults; ``propose`` is the one method to write).
 
     ``drafts_from_device``: ``propose`` may be handed the step's acceptance still on the device (a
     ``spec.DeviceVerdict``) before the host has read it or appended the step's tokens, so that drafting starts
     without a host round trip; a proposer that reads the requests' tokens leaves it False and gets host counts
-    after the tokens are appended."""
+    after the tokens are appended.
+
+    ``overlaps``: ``propose_on_device`` drafts from a verdict on the device and leaves its drafts there, so the
+    engine can launch the next step (which verifies them) before it reads this one back (the overlap
+    scheduler with MTP)."""
 
     draft_len: int
     drafts_from_device: bool = False
+    overlaps: bool = False
 
     def propose(self, seqs: list[ScheduledSeq], plan, target, accepted, drafting: list[bool]) -> list[Proposal | None]:
         """The drafts of every seq with ``drafting`` set (None for the others), after this step's target pass
@@ -48,6 +79,10 @@ class Proposer:
     def drafts(self, request, proposal: Proposal) -> list[int]:
         """The drafts ``request`` carries into its next step; called once the step's tokens are appended."""
         return list(proposal.tokens)
+
+    def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
+        """The drafts of every seq that samples, from a ``DeviceVerdict``, left on the device (``overlaps``)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts on the host only (overlaps = False)")
 
 
 class MtpProposer(Proposer):
@@ -63,12 +98,22 @@ class MtpProposer(Proposer):
     def drafts_from_device(self) -> bool:
         return self.runner.drafts_from_device
 
+    overlaps = drafts_from_device
+
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
+        drafts, probs = self._draft(seqs, plan, target, accepted, drafting)
+        tokens = drafts.tolist()
+        return [Proposal(tuple(tokens[b]), probs.get(b)) if drafting[b] else None for b in range(len(seqs))]
+
+    def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
+        drafts, probs = self._draft(seqs, plan, target, verdict, [s.sample for s in seqs])
+        return DeviceProposals.of(drafts, probs)
+
+    def _draft(self, seqs, plan, target, accepted, drafting) -> tuple[DraftTokens, dict]:
         probs: dict[int, list[torch.Tensor]] = {}
         drafts = self.runner.propose(seqs, plan, target, accepted, drafting, self.draft_len,
                                      lambda rows, j, logits: choose_drafts(seqs, rows, logits, probs))
-        return [Proposal(tuple(drafts[b]), torch.stack(probs[b]) if b in probs else None) if drafting[b] else None
-                for b in range(len(seqs))]
+        return drafts, {b: torch.stack(q) for b, q in probs.items()}
 
 
 def choose_drafts(seqs: Sequence[ScheduledSeq], rows: Sequence[int], logits: torch.Tensor,
@@ -106,9 +151,92 @@ class RewrittenProposer(Proposer):
         return list(self.rewrite(request, self.inner.drafts(request, proposal)))
 
 
-def rewrite_drafts(engine, rewrite) -> None:
-    """Set (``rewrite`` a function) or clear (None) a RewrittenProposer on ``engine``."""
+class KnownAnswerProposer(Proposer):
+    """For tests and benchmarks: ``inner``'s drafts, each replaced by the request's known answer (``answers``:
+    prompt ids -> the output ids greedy decoding gives) with probability ``p_right``, else by a wrong token,
+    so that verification accepts and rejects at a chosen rate whatever the weights. Unlike
+    ``RewrittenProposer`` it works on the device (the answers live there, each draft's position comes from
+    the device's accepted lengths), so it keeps the overlap scheduler's MTP steps. Whether draft j of a request
+    is right is a hash of (the request's answer, the position), the same on every path (host, device,
+    overlapped). Sampled requests keep ``inner``'s q: use it with greedy requests."""
+
+    def __init__(self, inner: Proposer, answers: dict, p_right: float, vocab: int, seed: int = 0):
+        self.inner, self.draft_len = inner, inner.draft_len
+        self.p_right, self.vocab, self.seed = p_right, vocab, seed
+        self._key = {tuple(p): i for i, p in enumerate(answers)}
+        self._answers = [list(a) for a in answers.values()]
+        self._device_answers: dict = {}
+
+    @property
+    def drafts_from_device(self) -> bool:
+        return self.inner.drafts_from_device
+
+    @property
+    def overlaps(self) -> bool:
+        return self.inner.overlaps
+
+    def _right(self, key, index):  # (python ints or int64 tensors alike)
+        return (key * 1000003 + index * 7919 + self.seed * 104729) % 1009 < round(self.p_right * 1009)
+
+    def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
+        return self.inner.propose(seqs, plan, target, accepted, drafting)  # (rewritten by ``drafts``)
+
+    def drafts(self, request, proposal: Proposal) -> list[int]:
+        key, done = self._key[tuple(request.prompt_ids)], len(request.output_ids)
+        ans = self._answers[key]
+        out = []
+        for j, d in enumerate(proposal.tokens):  # draft j is output token done + j
+            i = done + j
+            if i < len(ans):
+                out.append(ans[i] if self._right(key, i) else (ans[i] + 1) % self.vocab)
+            else:
+                out.append(d)
+        return out
+
+    def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
+        p = self.inner.propose_on_device(seqs, plan, target, verdict)
+        d = p.drafts
+        if d.tokens is None:
+            return p
+        dev = d.tokens.device
+        table = self._device_answers.get(dev)
+        if table is None:
+            width = max([len(a) for a in self._answers] + [1])
+            table = torch.full((len(self._answers), width), -1, dtype=torch.long)
+            for i, a in enumerate(self._answers):
+                table[i, :len(a)] = torch.tensor(a, dtype=torch.long)
+            table = self._device_answers[dev] = table.to(dev)
+        rows = [seqs[b].request for b in d.active]
+        t = to_device([self._key[tuple(r.prompt_ids)] for r in rows] + [len(r.prompt_ids) for r in rows] + list(d.active),
+                      dev)
+        A = len(rows)
+        key, P, act = t[:A, None], t[A:2 * A, None], t[2 * A:]
+        k = d.tokens.shape[1]
+        # draft j (1-based) of seq b is the token at position new_lens[b] + j: output index that - P
+        index = d.new_lens[act][:, None] + torch.arange(1, k + 1, device=dev)[None, :] - P
+        ok = (index >= 0) & (index < table.shape[1])
+        truth = table[key, index.clamp(0, table.shape[1] - 1)]
+        ok &= truth >= 0
+        tokens = torch.where(ok, torch.where(self._right(key, index), truth, (truth + 1) % self.vocab), d.tokens)
+        return DeviceProposals.of(DraftTokens(d.num_seqs, d.active, tokens, d.new_lens), p.probs)
+
+
+def _base(engine) -> Proposer | None:
     base = engine.proposer
-    while isinstance(base, RewrittenProposer):
+    while isinstance(base, (RewrittenProposer, KnownAnswerProposer)):
         base = base.inner
+    return base
+
+
+def rewrite_drafts(engine, rewrite) -> None:
+    """Set (``rewrite`` a function) or clear (None) a RewrittenProposer on ``engine`` (it drafts on the host:
+    MTP steps no longer overlap)."""
+    base = _base(engine)
     engine.proposer = base if rewrite is None or base is None else RewrittenProposer(base, rewrite)
+
+
+def use_known_answers(engine, answers: dict | None, p_right: float = 0.0, seed: int = 0) -> None:
+    """Set (``answers``: prompt ids -> greedy output ids) or clear (None) a KnownAnswerProposer on ``engine``."""
+    base = _base(engine)
+    engine.proposer = (base if answers is None or base is None
+                       else KnownAnswerProposer(base, answers, p_right, engine.model_cfg.vocab_size, seed))

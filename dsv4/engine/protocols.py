@@ -18,10 +18,14 @@ class StepCache(Protocol):
 
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-                   device="cpu"):
-        """Reserve the step's rows and return its immutable plan (a StepPlan, or a LanePlans of them)."""
+                   device="cpu", shift=None):
+        """Reserve the step's rows and return its immutable plan (a StepPlan, or a LanePlans of them);
+        ``shift``: the device's committed rows beyond the host's, for requests with unsettled rows."""
 
-    def commit_step(self, plan, num_accepted: Sequence[int]) -> None: ...
+    def commit_step(self, plan, num_accepted: Sequence[int], unsettled: Sequence[int] | None = None) -> None: ...
+
+    def settle(self, plan, extras: dict) -> None:
+        """Commit the rows an overlapped MTP step left unsettled, once read back."""
 
     def abort_step(self, plan) -> None: ...
 

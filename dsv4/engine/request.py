@@ -11,6 +11,12 @@ Token regions of a running request (C = ``num_computed``, positions whose cache 
 With the overlap scheduler a request's newest token may still be on the device (``num_pending``): it counts
 in ``num_tokens`` and reads as ``PENDING`` until the engine has read it back; the runner takes its value
 from the device output of the step that sampled it.
+
+An overlapped MTP step leaves more on the device (``inflight``): how many tokens it emits (1 .. drafts it
+verified + 1), which of its rows stay in the cache, and the drafts it proposed. None of them counts in
+``num_tokens`` and ``num_computed`` is the rows every outcome keeps, until the engine reads the step back; the
+next step verifies the device's tokens (its inputs all ``PENDING``: the token after the accepted drafts, then
+the new drafts) at positions the device knows.
 """
 
 from __future__ import annotations
@@ -24,6 +30,15 @@ import torch
 from .sampling_params import SamplingParams
 
 PENDING = -1  # the id of a token sampled on the device and not read back yet
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """An overlapped MTP step of the request, not read back yet."""
+
+    step_id: int  # the step's cache plan
+    verified: int  # drafts it verifies: it emits 1 .. verified + 1 tokens, and as many of its rows stay unsettled
+    proposed: int  # drafts it proposes for the next step (on the device)
 
 
 class Status(enum.Enum):
@@ -52,6 +67,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_pending: int = 0  # sampled tokens still on the device (overlap scheduler), after output_ids
+    inflight: InFlight | None = None  # an overlapped MTP step not read back yet (see the module doc)
     # with params.logprobs: one dict per output token (token id -> logprob), kept aligned with output_ids
     logprobs: list[dict[int, float]] | None = None
 
@@ -87,13 +103,25 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
+    def most_pending(self) -> int:
+        """The most tokens on the device, not read back yet (an overlapped step's, with or without MTP)."""
+        return self.num_pending + (self.inflight.verified + 1 if self.inflight is not None else 0)
+
+    @property
+    def unsettled(self) -> int:
+        """Rows of the in-flight MTP step that may yet stay in the cache beyond ``num_computed``."""
+        return self.inflight.verified if self.inflight is not None else 0
+
+    @property
     def awaiting_finish(self) -> bool:
-        """Its pending tokens reach max_tokens: it ends when they are read back, and computes nothing more."""
-        return self.num_pending > 0 and len(self.output_ids) + self.num_pending >= self.params.max_tokens
+        """Its pending tokens may reach max_tokens: it computes nothing more until they are read back (and
+        ends then, if they do)."""
+        pending = self.most_pending
+        return pending > 0 and len(self.output_ids) + pending >= self.params.max_tokens
 
     @property
     def in_decode(self) -> bool:
-        return self.num_computed == self.num_tokens - 1
+        return self.inflight is not None or self.num_computed == self.num_tokens - 1
 
     @property
     def finished(self) -> bool:

@@ -70,21 +70,24 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
                        tuple(b for b in range(len(seqs)) if drafting[b]))
 
 
-def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], verdict: DeviceVerdict,
-                        drafting: Sequence[bool]) -> DraftInputs:
+def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int] | torch.Tensor,
+                        verdict: DeviceVerdict, drafting: Sequence[bool]) -> DraftInputs:
     """``draft_inputs`` from a verdict still on the device. A row before a seq's verify rows takes the next
     token of the request as the host knows it; verify row j takes the target's token there if j <= the
-    accepted drafts a (for j < a it equals the draft the next row checked; j == a is the bonus token), else 0."""
+    accepted drafts a (for j < a it equals the draft the next row checked; j == a is the bonus token), else 0.
+    ``num_computed``: host ints, or each seq's C on the device (the plan's C column: the committed length of
+    a request whose previous step is not read back yet is known only there; its rows are all verify rows)."""
     base, vrow = [], []  # per step row: the host's next token; its row in verdict.target_ids (-1: not a verify row)
     seq_of, first_v, starts, r, start = [], [], [], 0, 0
+    on_device = isinstance(num_computed, torch.Tensor)
     for b, s in enumerate(seqs):
-        req, C = s.request, num_computed[b]
+        req = s.request
         nv = verdict.rows_per_seq[b]
         L = req.num_tokens
+        C = None if on_device and s.num_new == nv else int(num_computed[b])  # (read only for rows before)
         for i in range(s.num_new):
-            p = C + i
             v = i - (s.num_new - nv)
-            base.append(req.token_at(p + 1) if v < 0 and p + 1 < L else 0)
+            base.append(req.token_at(C + i + 1) if v < 0 and C + i + 1 < L else 0)
             vrow.append(r + v if v >= 0 else -1)
             first_v.append(r)
             seq_of.append(b)
@@ -93,9 +96,10 @@ def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int
         start += s.num_new
     N, B = len(base), len(seqs)
     dev = verdict.target_ids.device
-    t = to_device(base + vrow + first_v + seq_of + starts + list(num_computed), dev)
+    t = to_device(base + vrow + first_v + seq_of + starts + ([] if on_device else list(num_computed)), dev)
     base_t, vrow_t, first_t, seq_t = t[:N], t[N:2 * N], t[2 * N:3 * N], t[3 * N:4 * N]
-    starts_t, C_t = t[4 * N:4 * N + B], t[4 * N + B:]
+    starts_t = t[4 * N:4 * N + B]
+    C_t = num_computed[:B].to(dev) if on_device else t[4 * N + B:]
     target = verdict.target_ids[vrow_t.clamp(min=0)] if verdict.target_ids.numel() else torch.zeros_like(base_t)
     j = vrow_t - first_t  # the row's index among its seq's verify rows
     next_ids = torch.where(vrow_t < 0, base_t, torch.where(j <= verdict.accepted_drafts[seq_t], target, 0))
@@ -111,28 +115,64 @@ def draft_inputs_for(seqs, num_computed, accepted: Sequence[int] | DeviceVerdict
 
 
 @dataclass(frozen=True)
+class DraftTokens:
+    """The MTP's drafts of one step, left on the device: ``tokens[i]`` are the k drafts of seq ``active[i]``;
+    draft j (1-based) of seq b is the token at position ``new_lens[b] + j`` of its request."""
+
+    num_seqs: int
+    active: tuple[int, ...]
+    tokens: torch.Tensor | None  # [len(active), k] (None: no seq drafts)
+    new_lens: tuple[int, ...] | torch.Tensor  # per seq: its committed length after this step's acceptance
+
+    def tolist(self) -> list[list[int]]:
+        """Per seq, its drafts on the host ([] for a seq that does not draft); reads the device."""
+        out: list[list[int]] = [[] for _ in range(self.num_seqs)]
+        if self.tokens is not None:
+            for b, row in zip(self.active, self.tokens.tolist()):
+                out[b] = row
+        return out
+
+
+@dataclass(frozen=True)
 class LaunchedStep:
-    """A step the overlap scheduler left running: its tokens on the device, one per sampled request, and on
-    their way to the host. The next step reads its requests' pending inputs from ``tokens``."""
+    """A step the overlap scheduler left running: the next step's inputs on the device, one row per sampled
+    request, and what the host will read of it. Without MTP a row is the sampled token (``tokens``, on its
+    way to the host in ``host``). An MTP step (``mtp`` set) keeps its whole verdict on the device: a row is
+    the token after the accepted drafts, then the new drafts."""
 
     seqs: list[ScheduledSeq]
-    tokens: torch.Tensor  # [R] device, the sampled requests in step order
-    row_of: dict  # request id -> its row of ``tokens``
-    host: HostCopy
+    inputs: torch.Tensor  # [R, W] device: row r = the next step's pending inputs of the r-th sampled request
+    row_of: dict  # request id -> its row of ``inputs``
+    host: HostCopy | None = None  # without MTP: the tokens, queued for the host
     logprobs: object = None  # sampler.StepLogprobs of the tokens, for the requests that ask (read with them)
+    mtp: object = None  # an overlapped MTP step: engine.LaunchedMtp (its plan, verdict and proposals)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[R] the first input of every row: the token the step emitted last."""
+        return self.inputs[:, 0]
 
 
 def pending_inputs(seqs: Sequence[ScheduledSeq], prev: LaunchedStep | None) -> tuple[list[int], list[int]]:
-    """(step positions, rows of ``prev.tokens``) of the inputs still on the device. A request's pending
-    token is its newest, so it can only be the last input of its row."""
+    """(step positions, flat indices into ``prev.inputs``) of the inputs still on the device. A request's
+    pending inputs are its newest, so they end its row of the step: the last m of them are the first m of its
+    row of ``prev.inputs`` (m = 1 without MTP; 1 + k, the bonus token and the drafts, after an MTP step)."""
     dst, src, off = [], [], 0
     for s in seqs:
-        if s.token_ids[-1] == PENDING:
+        m = 0
+        while m < s.num_new and s.token_ids[s.num_new - 1 - m] == PENDING:
+            m += 1
+        if m:
             if prev is None or s.request.request_id not in prev.row_of:
                 raise RuntimeError(f"request {s.request.request_id!r}: an input token is still on the device but"
                                    " no overlapped step holds it")
-            dst.append(off + s.num_new - 1)
-            src.append(prev.row_of[s.request.request_id])
+            W = prev.inputs.shape[1]
+            if m > W:
+                raise RuntimeError(f"request {s.request.request_id!r}: {m} inputs are still on the device, the"
+                                   f" overlapped step holds {W}")
+            r = prev.row_of[s.request.request_id]
+            dst.extend(range(off + s.num_new - m, off + s.num_new))
+            src.extend(range(r * W, r * W + m))
         off += s.num_new
     return dst, src
 
@@ -142,6 +182,7 @@ class TargetOutput:
     streams: torch.Tensor  # [N_pad, n, d] last-layer hc streams
     logits: list[torch.Tensor | None]  # per seq: [rows, V] at its sampled / verify rows, None if not sampled
     rows: torch.Tensor | None = None  # the same rows as one [R, V] tensor, seqs in order (None: not at hand)
+    inputs: torch.Tensor | None = None  # [N_pad] the step's input ids on the device (pending ones filled in)
 
     def all_rows(self) -> torch.Tensor:
         """Every sampled / verify row of the step as one [R, V] tensor, seqs in order (``rows``, or the
@@ -212,10 +253,11 @@ class ModelRunner:
     def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False,
                    pending: tuple | None = None):
         with self.pass_context():
-            return self._run_target(plan, token_ids, logit_rows, graphed, pending)
+            return self._run_target(plan, token_ids, logit_rows, graphed, pending)[:2]
 
     def _run_target(self, plan, token_ids, logit_rows, graphed, pending):
-        """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None). ``graphed``: replay the
+        """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None, the input ids [N_pad] on the
+        device). ``graphed``: replay the
         plan's CUDA graph bucket (or run its static buffers eagerly when not capturing). ``pending``:
         (positions, device tokens) of inputs that are still on the device (PENDING in ``token_ids``)."""
         ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
@@ -230,7 +272,7 @@ class ModelRunner:
         logits = None
         if idx is not None:
             logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
-        return X, logits
+        return X, logits, ids
 
     def _check_graphed(self, plan):
         if self.graphs is None or not self.graphs.matches(plan):
@@ -298,24 +340,25 @@ class ModelRunner:
         inputs this step's requests have as PENDING."""
         ids, rows, counts = target_inputs(seqs)
         dst, src = pending_inputs(seqs, prev)
-        pending = (dst, prev.tokens[to_device(src, self.device)]) if dst else None
-        X, logits = self.run_target(plan, ids, rows, self._graphed(plan), pending)
+        pending = (dst, prev.inputs.reshape(-1)[to_device(src, self.device)]) if dst else None
+        with self.pass_context():
+            X, logits, inputs = self._run_target(plan, ids, rows, self._graphed(plan), pending)
         per_seq, off = [], 0
         for c in counts:
             per_seq.append(logits[off:off + c] if c else None)
             off += c
-        return TargetOutput(X, per_seq, logits)
+        return TargetOutput(X, per_seq, logits, inputs)
 
     @torch.no_grad()
     def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,
                 num_accepted: list[int] | DeviceVerdict, drafting: list[bool], draft_len: int,
-                choose: Callable[[list[int], int, torch.Tensor], list[int]]) -> list[list[int]]:
+                choose: Callable[[list[int], int, torch.Tensor], list[int]]) -> DraftTokens:
         """MTP drafts for every seq with ``drafting`` set, after ``num_accepted`` rows of each seq's step were
         accepted (host counts, or a verdict still on the device). ``choose(seq_indices, step, logits [A, V]) -> tokens``
         turns the MTP logits of those seqs into draft tokens on the device (argmax, or samples whose q the
-        caller keeps); they feed the next pass there, and the host reads all passes' tokens once at the end."""
-        inp = draft_inputs_for(seqs, plan.num_computed, num_accepted, drafting)
-        drafts: list[list[int]] = [[] for _ in seqs]
+        caller keeps); they feed the next pass there, and stay there (``DraftTokens.tolist`` reads them)."""
+        C = plan.rows[:len(seqs)] if isinstance(num_accepted, DeviceVerdict) else plan.num_computed
+        inp = draft_inputs_for(seqs, C, num_accepted, drafting)
         chosen: list[torch.Tensor] = []
 
         def pick(j, logits_fn):
@@ -324,7 +367,5 @@ class ModelRunner:
             return toks
 
         self.run_drafts(plan, target.streams, inp, draft_len, bool(inp.active), pick, self._graphed(plan))
-        if inp.active:
-            for b, row in zip(inp.active, torch.stack(chosen, 1).tolist()):
-                drafts[b] = row
-        return drafts
+        tokens = torch.stack(chosen, 1) if inp.active else None
+        return DraftTokens(len(seqs), tuple(inp.active), tokens, inp.new_lens)

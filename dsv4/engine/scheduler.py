@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager
-from .request import Request, Status
+from .request import PENDING, Request, Status
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class Scheduler:
     def _plan_tokens(self, req: Request, budget: int) -> ScheduledSeq | None:
         if req.awaiting_finish:  # its last token is on the device: nothing more to compute
             return None
+        if req.inflight is not None:  # verify the in-flight MTP step's bonus token and drafts (on the device)
+            ids = (PENDING,) * (1 + req.inflight.proposed)
+            return ScheduledSeq(req, ids, True, ids[1:]) if len(ids) <= budget else None
         C, L = req.num_computed, req.num_tokens
         if C == L - 1:  # decode, verifying any pending drafts
             ids = (req.token_at(C),) + tuple(req.drafts)
@@ -107,7 +110,7 @@ class Scheduler:
             seq = self._plan_tokens(req, budget)
             if seq is None:
                 continue
-            need = req.num_computed + seq.num_new
+            need = req.num_computed + req.unsettled + seq.num_new  # (its largest C, while unsettled)
             while not self.cache.can_reserve(req.request_id, need):
                 victims = [r for r in self.running if r is not req and r not in [s.request for s in out]]
                 if not victims:
@@ -127,8 +130,8 @@ class Scheduler:
         """Waiting requests join while the token budget and ``max_running`` allow."""
         while self.waiting and budget > 0 and len(self.running) < min(max_running, self.max_batch_size):
             req = self.waiting[0]
-            if req.awaiting_finish:  # preempted while its last tokens were on the device: it ends when they
-                break                # are read back (this step), and nothing overtakes it meanwhile
+            if req.awaiting_finish or req.inflight is not None:  # preempted while its last tokens were on
+                break  # the device: it waits for them (read back in this step); nothing overtakes it meanwhile
             if not self.cache.admit(req.request_id).ok:
                 break
             seq = self._plan_tokens(req, budget)

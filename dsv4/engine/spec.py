@@ -68,42 +68,57 @@ class DeviceVerdict:
     accepted_drafts: torch.Tensor  # [B] drafts each seq accepted (0 for a seq that samples nothing)
     accepted_rows: torch.Tensor  # [B] rows of each seq's step that stay in the cache
     rows_per_seq: tuple[int, ...]  # verify rows of each seq (0: samples nothing)
-    host: HostCopy  # target_ids then accepted_rows, on their way to the host
+    host: HostCopy  # target_ids, accepted_rows, then the drafts each verify row checked, on their way to the host
 
     def read(self) -> tuple[list[list[int]], list[int]]:
         """(each seq's target argmax rows, each seq's accepted rows) on the host; waits for the copy only."""
+        ids, rows, _ = self.read_all()
+        return ids, rows
+
+    def read_all(self) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """``read`` and each seq's drafts, as the device verified them (what the step's inputs held)."""
         flat = self.host.tolist()
-        R = len(flat) - len(self.rows_per_seq)
-        ids, off = [], 0
+        B = len(self.rows_per_seq)
+        R = (len(flat) - B) // 2
+        ids, drafts, off = [], [], 0
         for n in self.rows_per_seq:
             ids.append(flat[off:off + n])
+            drafts.append(flat[R + B + off:R + B + off + n - 1] if n else [])
             off += n
-        return ids, flat[R:]
+        return ids, flat[R:R + B], drafts
 
 
-def accept_on_device(seqs: Sequence, logits: torch.Tensor) -> DeviceVerdict:
+def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor | None = None) -> DeviceVerdict:
     """Verification of every seq of a step at once, on the device, with no host read. ``logits`` [R, V]: the
-    verify rows of the seqs that sample (``len(drafts) + 1`` each), seqs in order.
+    verify rows of the seqs that sample (``len(drafts) + 1`` each), seqs in order. ``inputs`` [N]: the step's
+    input ids on the device; the drafts are read from them (each seq's last ``len(drafts)`` inputs), so drafts
+    still on the device (``PENDING`` on the host, after an overlapped step) verify too. Without it, from
+    ``seq.drafts``.
 
     Greedy seqs (``accept_greedy``): the accepted drafts are the index of the first verify row whose argmax
     differs from the draft that row checks; the last row checks none (-1 never matches), so the count stops at
     the number of drafts. Sampled seqs: ``rejection_sample_on_device`` with the request's generator; their
     ``target_ids`` rows hold the emitted tokens (the accepted drafts, then the resampled or bonus token)."""
     G = greedy_tokens(logits)
-    checks, seq_of, local, counts, fixed = [], [], [], [], []
+    checks, seq_of, local, counts, fixed, start = [], [], [], [], [], 0
     for b, s in enumerate(seqs):
         d = len(s.drafts) if s.sample else 0
         n = d + 1 if s.sample else 0
-        checks += list(s.drafts[:d]) + [-1] * (n - d)
+        # the draft verify row j checks: a draft id, or (from ``inputs``) the step position holding it; -1: none
+        checks += (list(s.drafts[:d]) if inputs is None else list(range(start + s.num_new - d, start + s.num_new)))
+        checks += [-1] * (n - d)
         seq_of += [b] * n
         local += range(n)
         counts.append(n)
         fixed.append(s.num_new - d)  # rows kept whatever the verdict: the step's inputs before the drafts
+        start += s.num_new
     R, B = len(checks), len(seqs)
     if R != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} verify rows of logits for seqs that verify {R}")
     t = to_device(checks + seq_of + local + fixed, logits.device)
     chk, seq, loc, kept = t[:R], t[R:2 * R], t[2 * R:3 * R], t[3 * R:]
+    if inputs is not None:
+        chk = torch.where(chk >= 0, inputs[chk.clamp(min=0)], -1)
     first_miss = torch.where(G != chk, loc, R + 1)
     a = torch.full((B,), R + 1, dtype=torch.long, device=logits.device)
     a = a.scatter_reduce(0, seq, first_miss, "amin")
@@ -118,7 +133,7 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor) -> DeviceVerdict:
                 req.generator)
         off += n
     rows = kept + a
-    return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows])))
+    return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows, chk])))
 
 
 def rejection_sample_on_device(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,

@@ -45,7 +45,7 @@ from ..cache.layout import CacheLayout
 from ..cache.manager import StepOrderError
 from ..cache.plan import StepPlan, build_plan
 from ..engine.backend import CachedBackend
-from ..engine.runner import DraftInputs, ModelRunner, TargetOutput, draft_inputs, target_inputs
+from ..engine.runner import DraftInputs, DraftTokens, ModelRunner, TargetOutput, draft_inputs, target_inputs
 from ..engine.scheduler import ScheduledSeq
 from .comm import StopMsg
 
@@ -198,7 +198,7 @@ class DistributedRunner(LaneRunner):
                                " (supports_overlap is False)")
         return self._guard(self._forward, seqs, plan)
 
-    def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> list[list[int]]:
+    def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         return self._guard(self._propose, seqs, plan, target, num_accepted, drafting, draft_len, choose)
 
     def _forward(self, seqs, plan) -> TargetOutput:
@@ -230,7 +230,7 @@ class DistributedRunner(LaneRunner):
                     off += c
         return TargetOutput(X, per_seq)
 
-    def _propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> list[list[int]]:
+    def _propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         plans, local, lane_idx = self._lanes(seqs, plan)
         inps = []
         for lane, idx in enumerate(lane_idx):
@@ -260,7 +260,13 @@ class DistributedRunner(LaneRunner):
             return chosen[0]
 
         self.run_drafts(local, target.streams, inps[0], draft_len, any_active, pick, self._graphed_step)
-        return drafts
+        new_lens = [0] * len(seqs)
+        for idx, inp in zip(lane_idx, inps):
+            for b, n in zip(range(len(idx)), inp.new_lens):
+                new_lens[idx[b]] = n
+        active = tuple(b for b in range(len(seqs)) if drafting[b])
+        tokens = torch.tensor([drafts[b] for b in active], dtype=torch.long) if active else None
+        return DraftTokens(len(seqs), active, tokens, tuple(new_lens))
 
 
 # ---- the other ranks --------------------------------------------------------------------------------------------------

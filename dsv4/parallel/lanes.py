@@ -43,7 +43,9 @@ class LaneCaches:
 
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-                   device="cpu") -> LanePlans:
+                   device="cpu", shift=None) -> LanePlans:
+        if shift is not None:
+            raise NotImplementedError("attention-DP lanes do not overlap MTP steps (no unsettled rows to shift)")
         lanes: list[list[SeqStep]] = [[] for _ in self.managers]
         idx: list[list[int]] = [[] for _ in self.managers]
         for i, s in enumerate(seqs):
@@ -70,10 +72,16 @@ class LaneCaches:
                 device)
         return LanePlans(tuple(plans), local, tuple(tuple(i) for i in idx), N, B)
 
-    def commit_step(self, plan: LanePlans, num_accepted: Sequence[int]) -> None:
+    def commit_step(self, plan: LanePlans, num_accepted: Sequence[int], unsettled: Sequence[int] | None = None) -> None:
+        if unsettled is not None and any(unsettled):
+            raise NotImplementedError("attention-DP lanes do not overlap MTP steps (nothing is left unsettled)")
         for m, p, idx in zip(self.managers, plan.plans, plan.lane_indices):
             if p is not None:
                 m.commit_step(p, [num_accepted[i] for i in idx])
+
+    def settle(self, plan: LanePlans, extras: dict) -> None:
+        if extras:
+            raise NotImplementedError("attention-DP lanes do not overlap MTP steps (nothing is left unsettled)")
 
     def abort_step(self, plan: LanePlans) -> None:
         for m, p in zip(self.managers, plan.plans):
