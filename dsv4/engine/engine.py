@@ -181,10 +181,7 @@ class LLMEngine:
         return outs
 
     def _commit(self, plan, seqs: list[ScheduledSeq], accepted: list[int], unsettled: list[int] | None = None):
-        if unsettled is not None and any(unsettled):
-            self.cache.commit_step(plan, accepted, unsettled=unsettled)
-        else:
-            self.cache.commit_step(plan, accepted)
+        self.cache.commit_step(plan, accepted, unsettled)
         for s, a in zip(seqs, accepted):
             s.request.num_computed += a
 

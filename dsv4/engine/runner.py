@@ -70,21 +70,20 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
                        tuple(b for b in range(len(seqs)) if drafting[b]))
 
 
-def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int] | torch.Tensor,
-                        verdict: DeviceVerdict, drafting: Sequence[bool]) -> DraftInputs:
+def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], verdict: DeviceVerdict,
+                        drafting: Sequence[bool], computed: torch.Tensor | None = None) -> DraftInputs:
     """``draft_inputs`` from a verdict still on the device. A row before a seq's verify rows takes the next
     token of the request as the host knows it; verify row j takes the target's token there if j <= the
     accepted drafts a (for j < a it equals the draft the next row checked; j == a is the bonus token), else 0.
-    ``num_computed``: host ints, or each seq's C on the device (the plan's C column: the committed length of
-    a request whose previous step is not read back yet is known only there; its rows are all verify rows)."""
+    ``computed``: each seq's C on the device (the plan's C column), when the host's ``num_computed`` is only a
+    lower bound for some (a request whose previous step is not read back yet: its rows are all verify rows,
+    so the host's C is read only for rows that are not)."""
     base, vrow = [], []  # per step row: the host's next token; its row in verdict.target_ids (-1: not a verify row)
     seq_of, first_v, starts, r, start = [], [], [], 0, 0
-    on_device = isinstance(num_computed, torch.Tensor)
     for b, s in enumerate(seqs):
-        req = s.request
+        req, C = s.request, num_computed[b]
         nv = verdict.rows_per_seq[b]
         L = req.num_tokens
-        C = None if on_device and s.num_new == nv else int(num_computed[b])  # (read only for rows before)
         for i in range(s.num_new):
             v = i - (s.num_new - nv)
             base.append(req.token_at(C + i + 1) if v < 0 and C + i + 1 < L else 0)
@@ -96,10 +95,11 @@ def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int
         start += s.num_new
     N, B = len(base), len(seqs)
     dev = verdict.target_ids.device
-    t = to_device(base + vrow + first_v + seq_of + starts + ([] if on_device else list(num_computed)), dev)
+    t = to_device(base + vrow + first_v + seq_of + starts + ([] if computed is not None else list(num_computed)),
+                  dev)
     base_t, vrow_t, first_t, seq_t = t[:N], t[N:2 * N], t[2 * N:3 * N], t[3 * N:4 * N]
     starts_t = t[4 * N:4 * N + B]
-    C_t = num_computed[:B].to(dev) if on_device else t[4 * N + B:]
+    C_t = computed[:B].to(dev) if computed is not None else t[4 * N + B:]
     target = verdict.target_ids[vrow_t.clamp(min=0)] if verdict.target_ids.numel() else torch.zeros_like(base_t)
     j = vrow_t - first_t  # the row's index among its seq's verify rows
     next_ids = torch.where(vrow_t < 0, base_t, torch.where(j <= verdict.accepted_drafts[seq_t], target, 0))
@@ -107,11 +107,14 @@ def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int
     return DraftInputs(next_ids, starts_t + rows - 1, C_t + rows, tuple(b for b in range(B) if drafting[b]))
 
 
-def draft_inputs_for(seqs, num_computed, accepted: Sequence[int] | DeviceVerdict, drafting) -> DraftInputs:
-    """The MTP inputs from host accepted counts or from a verdict on the device."""
+def draft_inputs_for(seqs, plan, accepted: Sequence[int] | DeviceVerdict, drafting) -> DraftInputs:
+    """The MTP inputs of ``plan``'s step from host accepted counts or from a verdict on the device (which reads
+    each seq's C from the plan's C column on the device: a request's may be known only there)."""
     if isinstance(accepted, DeviceVerdict):
-        return device_draft_inputs(seqs, num_computed, accepted, drafting)
-    return draft_inputs(seqs, num_computed, accepted, drafting)
+        return device_draft_inputs(seqs, plan.num_computed, accepted, drafting, computed=plan.rows[:len(seqs)])
+    if any(plan.unsettled):
+        raise ValueError("a plan with unsettled rows drafts from a verdict on the device, not from host counts")
+    return draft_inputs(seqs, plan.num_computed, accepted, drafting)
 
 
 @dataclass(frozen=True)
@@ -357,8 +360,7 @@ class ModelRunner:
         accepted (host counts, or a verdict still on the device). ``choose(seq_indices, step, logits [A, V]) -> tokens``
         turns the MTP logits of those seqs into draft tokens on the device (argmax, or samples whose q the
         caller keeps); they feed the next pass there, and stay there (``DraftTokens.tolist`` reads them)."""
-        C = plan.rows[:len(seqs)] if isinstance(num_accepted, DeviceVerdict) else plan.num_computed
-        inp = draft_inputs_for(seqs, C, num_accepted, drafting)
+        inp = draft_inputs_for(seqs, plan, num_accepted, drafting)
         chosen: list[torch.Tensor] = []
 
         def pick(j, logits_fn):
