@@ -390,12 +390,14 @@ def test_metrics_parse_and_count(server):
     for name in ("dsv4:request_success", "dsv4:time_to_first_token_seconds", "dsv4:e2e_request_latency_seconds",
                  "dsv4:time_per_output_token_seconds", "dsv4:request_queue_time_seconds", "dsv4:prompt_tokens",
                  "dsv4:generation_tokens", "dsv4:kv_cache_usage_perc", "dsv4:num_requests_running",
-                 "dsv4:spec_decode_acceptance_rate", "dsv4:spec_decode_num_draft_tokens"):
+                 "dsv4:spec_decode_acceptance_rate", "dsv4:spec_decode_num_draft_tokens", "dsv4:engine_step_seconds"):
         assert name in fams, (name, sorted(fams))
     m = server.metrics()
     assert m["dsv4:time_to_first_token_seconds_count"] >= 1 and m["dsv4:request_queue_time_seconds_count"] >= 1
     assert m["dsv4:generation_tokens_total"] >= 4 and m["dsv4:kv_cache_slots"] == 32
     assert 0 < m["dsv4:spec_decode_acceptance_rate"] <= 1  # MTP is on and mini's drafts are often right
+    kinds = {s.labels["kind"] for s in fams["dsv4:engine_step_seconds"].samples}
+    assert {"prefill", "eager"} <= kinds <= {"prefill", "eager", "graph", "readback"}, kinds  # (no graphs on the CPU)
 
 
 # ---- the other endpoints, and what a client gets wrong ---------------------------------------------------

@@ -11,7 +11,6 @@ A client that goes away has its requests aborted in the engine, wherever they ar
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -32,7 +31,8 @@ from .job import Choice, Job
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import ReasoningParser, ToolCallParser
 from .protocol import (MAX_N, MAX_STOP_STRINGS, ApiError, ChatCompletionRequest, CompletionRequest,
-                       DetokenizeRequest, TokenizeRequest, error_body, new_id, now, response_body, usage)
+                       DetokenizeRequest, StreamChunks, TokenizeRequest, error_body, new_id, now, response_body, sse,
+                       usage)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -199,10 +199,6 @@ def _chat_logprobs(state: ServerState, entries: list[tuple[int, dict]], top_n: i
 
 
 # ---- answering --------------------------------------------------------------------------------------
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 async def _until_disconnect(request: Request, work) -> bool:
     """Run ``work`` (a coroutine); False when the client went away first (``work`` is then cancelled)."""
     task = asyncio.ensure_future(work)
@@ -225,23 +221,23 @@ async def _until_disconnect(request: Request, work) -> bool:
             t.cancel()
 
 
-def _stream(state: ServerState, job: Job, make_chunk, chunk_choice, first_chunks, include_usage: bool):
+def _stream(state: ServerState, job: Job, chunks: StreamChunks, chunk_choice, first_chunks, include_usage: bool):
     """The SSE body: each delta as a chunk, exactly one finish_reason per choice, then the usage chunk (when
     asked for) and ``[DONE]``. However it ends (finished, client gone, error) the job is closed."""
 
     async def body():
         try:
             for ch in first_chunks:
-                yield _sse(make_chunk([ch]))
+                yield chunks([ch])
             try:
                 async for c, d in job.events():
-                    yield _sse(make_chunk([chunk_choice(c, d)]))
+                    yield chunks([chunk_choice(c, d)])
             except ApiError as e:
-                yield _sse(e.body())
+                yield sse(e.body())
                 yield "data: [DONE]\n\n"
                 return
             if include_usage:
-                yield _sse(make_chunk([], usage(job.num_prompt_tokens, job.num_completion_tokens)))
+                yield chunks.usage(usage(job.num_prompt_tokens, job.num_completion_tokens))
             yield "data: [DONE]\n\n"
         finally:
             job.close()
@@ -284,10 +280,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     job.start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def make_chunk(chs, usage_=None):
-            return response_body("text_completion", rid, created, state.model_name, chs, usage_, include_usage)
-
+        chunks = StreamChunks("text_completion", rid, created, state.model_name, include_usage)
         offsets = [0] * len(choices)  # per choice: where the next token's text starts (text_offset)
 
         def chunk_choice(c, d):
@@ -296,7 +289,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
                 logprobs, offsets[c.index] = _completion_logprobs(state, d.logprobs, offsets[c.index])
             return {"index": c.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
-        return _stream(state, job, make_chunk, chunk_choice, [], include_usage)
+        return _stream(state, job, chunks, chunk_choice, [], include_usage)
     if not await _run_whole(state, job, request):
         return Response(status_code=499)  # the client is gone; nobody reads this
     out = response_body("text_completion", rid, created, state.model_name, [
@@ -340,10 +333,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     job.start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def make_chunk(chs, usage_=None):
-            return response_body("chat.completion.chunk", rid, created, state.model_name, chs, usage_,
-                                 include_usage)
+        chunks = StreamChunks("chat.completion.chunk", rid, created, state.model_name, include_usage)
 
         def chunk_choice(c, d):
             delta = {}
@@ -359,7 +349,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
         first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for j in range(body.n)]
-        return _stream(state, job, make_chunk, chunk_choice, first, include_usage)
+        return _stream(state, job, chunks, chunk_choice, first, include_usage)
     if not await _run_whole(state, job, request):
         return Response(status_code=499)
     out = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name, "choices": []}

@@ -6,10 +6,13 @@
     abort(rid)                     --sender-->     Abort
     sink.queue  <--reader (event loop)--           Step: every request's new tokens, stats
 
-Messages to the loop go through a sender thread, so a handler never blocks on a full pipe. Messages from it
-are read on the event loop itself (``loop.add_reader`` on the connection), one ``Step`` per engine step, and
-handed to the sinks' asyncio queues; the engine-level metrics (queue time, running / waiting, KV cache use,
-MTP counters) are observed from them. If the loop dies (``Dead``) or its process goes away (the connection
+A message to the loop is written at once when nothing is queued ahead of it, it is small and the connection
+has room for it (so a request reaches the engine without waiting for another thread to get the interpreter
+lock: up to the 5 ms switch interval while the event loop is busy); otherwise it goes through a sender thread,
+so a handler never blocks on a full pipe. Messages from it are read on the event loop itself
+(``loop.add_reader`` on the connection), one ``Step`` per engine step, and handed to the sinks' asyncio
+queues; the engine-level metrics (queue time, step time by kind, running / waiting, KV cache use, MTP
+counters) are observed from them. If the loop dies (``Dead``) or its process goes away (the connection
 closes), every open request gets an error event and new ones a 503.
 """
 
@@ -18,16 +21,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from multiprocessing.reduction import ForkingPickler
 
 from ..engine.sampling_params import SamplingParams
 from .messages import Abort, Add, Dead, Stats, Step, Stop, Update
 from .protocol import ApiError
 
 log = logging.getLogger("dsv4.serve")
+
+DIRECT_SEND_BYTES = 16 << 10  # a message up to this size is written from the event loop when the connection has room
 
 
 class Event(NamedTuple):
@@ -51,7 +59,11 @@ class EngineClient:
         self.metrics = metrics
         self.error: str | None = None  # why the engine is gone, once it is
         self._sinks: dict[str, Sink] = {}
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # pickled messages for the sender thread
+        self._queued = 0  # messages put in the outbox and not yet written (the sender thread counts them down)
+        self._queued_lock = threading.Lock()
+        self._room = select.poll()  # POLLOUT: the connection's buffer has room (a quarter of it or less in use)
+        self._room.register(self.conn.fileno(), select.POLLOUT)
         self._sender = threading.Thread(target=self._send_loop, name="dsv4-engine-sender", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spec_seen = (0, 0)
@@ -66,7 +78,7 @@ class EngineClient:
         """Stop the engine loop and its host (process or thread); open requests get an error event."""
         self._unwatch()
         if self._sender.is_alive():
-            self._outbox.put(Stop())
+            self._post(Stop(), direct=False)
             self._sender.join(10)
         self.host.stop()
         self._gone("the server is shutting down", quiet=True)
@@ -81,25 +93,49 @@ class EngineClient:
             raise ApiError(f"the engine is not running: {self.error or 'its process has ended'}", status=503,
                            type="server_error", code="engine_unavailable")
 
-    # ---- the handlers' side ------------------------------------------------------------------------
+    # ---- the handlers' side (the event loop's thread: the one that sends) --------------------------------
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         self._sinks[rid] = sink
         arrival = time.time() - (time.perf_counter() - sink.arrival)  # wall clock: the engine's process reads it
-        self._outbox.put(Add(rid, prompt_ids, params, arrival))
+        self._post(Add(rid, prompt_ids, params, arrival))
 
     def abort(self, rid: str) -> None:
         """Drop a request wherever it is (queued, running, finished): its cache is freed, no more events."""
         self._sinks.pop(rid, None)
-        self._outbox.put(Abort(rid))
+        self._post(Abort(rid))
+
+    def _post(self, msg, direct: bool = True) -> None:
+        """Write ``msg`` now when nothing is queued ahead of it (the sender thread has written all it was given,
+        so nobody else writes), it is small and the connection has room; else queue it for the sender thread.
+        (``conn.send`` is this: ``send_bytes`` of the ForkingPickler's bytes.)"""
+        buf = ForkingPickler.dumps(msg)
+        if direct and self._queued == 0 and len(buf) <= DIRECT_SEND_BYTES and self._has_room():
+            try:
+                self.conn.send_bytes(buf)
+            except (OSError, ValueError):
+                pass  # the engine is gone: the reader sees it
+            return
+        with self._queued_lock:
+            self._queued += 1
+        self._outbox.put((buf, isinstance(msg, Stop)))
+
+    def _has_room(self) -> bool:
+        try:
+            return bool(self._room.poll(0))
+        except (OSError, ValueError):
+            return False
 
     def _send_loop(self) -> None:
         while True:
-            msg = self._outbox.get()
+            buf, last = self._outbox.get()
             try:
-                self.conn.send(msg)
+                self.conn.send_bytes(buf)
             except (OSError, ValueError):
                 return  # the engine is gone: the reader sees it
-            if isinstance(msg, Stop):
+            finally:
+                with self._queued_lock:
+                    self._queued -= 1
+            if last:
                 return
 
     # ---- the engine's side (read on the event loop) ---------------------------------------------------
@@ -123,20 +159,22 @@ class EngineClient:
             self._gone("the engine process has ended" + (f" (exit code {code})" if code is not None else ""))
 
     def _on_step(self, msg: Step) -> None:
-        for u in msg.updates:
-            sink = self._sinks.get(u.rid)
+        sinks = self._sinks
+        for u in msg.updates:  # (Update's fields: rid, token_ids, finish_reason, ...)
+            sink = sinks.get(u[0])
             if sink is None:
                 continue  # aborted here; its last tokens were on the way
-            if u.finish_reason is not None:
-                del self._sinks[u.rid]
-            sink.queue.put_nowait(Event(sink.index, u))
+            if u[2] is not None:
+                del sinks[u[0]]
+            sink.queue.put_nowait(Event(sink.index, Update._make(u)))
         m = self.metrics
         if m is not None:
             for q in msg.queue_times:
                 m.m(m.queue_time).observe(q)
             if msg.steps:
                 m.m(m.engine_steps).inc(msg.steps)
-            self._observe_stats(msg.stats)
+                m.m(m.engine_step_time, kind=msg.kind).observe(msg.step_s)
+            self._observe_stats(Stats._make(msg.stats))
 
     def _unwatch(self) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -144,22 +144,29 @@ class Job:
                     yield c, d
 
     def _merged(self, first: Event) -> list[Event]:
-        """``first`` and whatever else has arrived, one event per choice (tokens joined in order): a reader
-        slower than the engine gets fewer, larger chunks instead of falling behind."""
-        if self._queue.empty():
+        """``first`` and whatever else has arrived, one event per choice (tokens joined in order, up to and
+        including a choice's last event: nothing follows it): a reader slower than the engine gets fewer, larger
+        chunks instead of falling behind."""
+        q = self._queue
+        if q.empty():
             return [first]
-        by_index: dict[int, Event] = {first.index: first}
-        while not self._queue.empty():
-            ev = self._queue.get_nowait()
-            prev = by_index.get(ev.index)
-            if prev is None or prev.update.error is not None or prev.update.finish_reason is not None:
-                by_index.setdefault(ev.index, ev)  # (nothing follows a last event)
+        by_index: dict[int, list[Update]] = {first.index: [first.update]}
+        while not q.empty():
+            ev = q.get_nowait()
+            by_index.setdefault(ev.index, []).append(ev.update)
+        out = []
+        for index, ups in by_index.items():
+            end = next((k for k, u in enumerate(ups) if u.error is not None or u.finish_reason is not None),
+                       len(ups) - 1)
+            if end == 0:
+                out.append(Event(index, ups[0]))
                 continue
-            p, u = prev.update, ev.update
-            logprobs = None if p.logprobs is None and u.logprobs is None else \
-                (p.logprobs or []) + (u.logprobs or [])  # (an error event carries none)
-            by_index[ev.index] = Event(ev.index, u._replace(token_ids=p.token_ids + u.token_ids, logprobs=logprobs))
-        return list(by_index.values())
+            ups = ups[:end + 1]
+            tokens = [t for u in ups for t in u.token_ids]
+            logprobs = None if all(u.logprobs is None for u in ups) else \
+                [lp for u in ups for lp in (u.logprobs or ())]  # (an error event carries none)
+            out.append(Event(index, ups[-1]._replace(token_ids=tokens, logprobs=logprobs)))
+        return out
 
     def close(self) -> None:
         """Abort the choices that have not ended (their cache is freed); safe to call more than once."""

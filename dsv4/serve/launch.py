@@ -97,7 +97,7 @@ def run(args) -> int:
 
     from .app import build_app
     from .chat import load_chat_template
-    from .host import EngineSpec
+    from .host import EngineSpec, freeze_heap
 
     path = resolve_model(args.model)
     level = logging.getLogger().getEffectiveLevel()
@@ -112,6 +112,7 @@ def run(args) -> int:
                         chat_template=template)
         logging.getLogger("dsv4.serve").info("serving %s on http://%s:%d (chat: %s; engine process %d)", name,
                                              args.host, args.port, app.state.dsv4.encoder.source, engine.info.pid)
+        freeze_heap()
         uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLevelName(level).lower(),
                     timeout_graceful_shutdown=5)
     finally:

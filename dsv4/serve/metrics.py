@@ -15,6 +15,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                  0.5, 0.75, 1.0, 2.5)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -23,6 +25,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
+        self._children: dict = {}
         labels = ["model_name"]
         self._model = model_name
         self.requests = Counter("dsv4:request_success", "Requests finished, by finish reason",
@@ -51,6 +54,11 @@ class ServerMetrics:
         self.kv_slots = Gauge("dsv4:kv_cache_slots", "KV cache request slots", labels, registry=r)
         self.kv_blocks_free = Gauge("dsv4:kv_cache_free_blocks", "KV cache blocks free", labels, registry=r)
         self.engine_steps = Counter("dsv4:engine_steps", "Engine steps run", labels, registry=r)
+        self.engine_step_time = Histogram("dsv4:engine_step_seconds", "Wall time of one engine step, by what it ran:"
+                                          " graph (a CUDA graph replayed), eager (a decode / verify batch no graph"
+                                          " fits), prefill (eager, with prefill chunks), readback (the overlap"
+                                          " scheduler's last read)", labels + ["kind"], buckets=_STEP_BUCKETS,
+                                          registry=r)
         self.spec_drafts = Counter("dsv4:spec_decode_num_draft_tokens", "MTP draft tokens proposed", labels,
                                    registry=r)
         self.spec_accepted = Counter("dsv4:spec_decode_num_accepted_tokens", "MTP draft tokens accepted", labels,
@@ -61,7 +69,13 @@ class ServerMetrics:
                            registry=r)
 
     def m(self, metric, **labels):
-        return metric.labels(model_name=self._model, **labels)
+        """The metric's child for this model (and ``labels``), looked up once (``labels()`` checks and locks on
+        every call, and the engine's metrics are observed every step)."""
+        key = (metric, *labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(model_name=self._model, **labels)
+        return child
 
     def observe_request(self, finish_reason: str, num_prompt: int, num_generated: int, ttft_s: float | None,
                         e2e_s: float) -> None:

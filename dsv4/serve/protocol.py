@@ -7,6 +7,7 @@ Requests are checked here for what can be checked without the model (types, rang
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -170,3 +171,31 @@ def response_body(kind: str, rid: str, created: int, model: str, choices: list[d
     if with_usage_field:
         out["usage"] = usage_
     return out
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False)  # (json.dumps with an option builds a new encoder on every call)
+
+
+def sse(obj) -> str:
+    """One server-sent event: ``data: <obj as JSON>`` and a blank line."""
+    return f"data: {_JSON.encode(obj)}\n\n"
+
+
+class StreamChunks:
+    """The events of one stream: ``chunks(choices)`` is ``sse(response_body(kind, rid, created, model, choices,
+    None, with_usage_field))`` character for character, with the fields every chunk repeats encoded once (a
+    stream writes a chunk per engine step and choice)."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str, with_usage_field: bool = False):
+        self._fields = (kind, rid, created, model)
+        self.with_usage_field = with_usage_field
+        empty = _JSON.encode(response_body(kind, rid, created, model, [], None, with_usage_field))
+        cut = empty.rindex('"choices": []') + len('"choices": [')  # (the last: the fields before it are strings)
+        self._head, self._tail = "data: " + empty[:cut], empty[cut:] + "\n\n"
+
+    def __call__(self, choices: list[dict]) -> str:
+        return self._head + ", ".join(map(_JSON.encode, choices)) + self._tail
+
+    def usage(self, usage_: dict) -> str:
+        """The last chunk of a stream that asked for usage: no choices, the usage."""
+        return sse(response_body(*self._fields, [], usage_, self.with_usage_field))
