@@ -15,7 +15,20 @@ each request's send, once the client's concurrency limit lets it go).
 
 On the CPU, small: ``--model mini --device cpu --num_requests 8 --concurrency 4 --input_len 16 --output_len 8``.
 
-The client is httpx (asyncio), not the openai package. The server needs fastapi, starlette, pydantic,
+The load client is lean, so that it measures the server and not itself: ``--clients`` processes (default 2), each
+with its share of the concurrency as keep-alive HTTP/1.1 connections on asyncio streams (no HTTP library), each
+sending its next request when its last one ends; the SSE is split into events on the bytes and only the first and
+last events (and any naming an error) are parsed. (httpx with json.loads on every chunk, one process, as this
+script had it: 113 us of client CPU a chunk against a bare SSE server on a 2-core CPU, 250 us against dsv4 serve,
+as much as the server's own work; its connection pool alone was a third of it. Now 10 and 70-100 us.)
+
+Besides the table it prints what the timed load did: chunks and tokens per chunk (more than 1 when the HTTP
+side lags and coalesces), CPU seconds per second of the HTTP process, the engine process and the clients (near
+1.0: that process caps the rate), the engine's steps by kind on both paths (graph / eager / prefill /
+readback: their count, share of the wall time and durations; the server's from /metrics), and the server log's
+steps slower than 1 s.
+
+The server needs fastapi, starlette, pydantic,
 pydantic-core, uvicorn, annotated-types, annotated-doc, typing-inspection and opentelemetry-api; a GPU machine
 without a package index gets them as wheels made elsewhere for its Python and platform, e.g.
 ``pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels fastapi uvicorn``
@@ -36,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 
 import httpx
 
@@ -92,39 +106,107 @@ def start_server(args, yaml_path: str | None) -> tuple[subprocess.Popen, str, st
         time.sleep(0.5)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], n_out: int, headers: dict):
-    body = {"model": model, "prompt": ids, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+class _Connection:
+    """One keep-alive HTTP/1.1 connection of the load client, on asyncio streams (no HTTP library: httpx's
+    connection pool alone cost the client more per request than the server spends, measured on a 2-core CPU)."""
+
+    def __init__(self, url: str):
+        u = urllib.parse.urlsplit(url)
+        self.host, self.port = u.hostname, u.port or 80
+        self.reader = self.writer = None
+
+    async def post_stream(self, path: str, body: bytes, headers: dict):
+        """POST ``body`` (JSON); yields the response body's pieces as they arrive (status != 200: raises)."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
+                f"Content-Length: {len(body)}", "Accept: text/event-stream"]
+        head += [f"{k}: {v}" for k, v in headers.items()]
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        r = self.reader
+        try:
+            status_and_headers = (await r.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            status = int(status_and_headers[0].split()[1])
+            fields = {k.strip().lower(): v.strip()
+                      for k, _, v in (h.partition(":") for h in status_and_headers[1:] if h)}
+            if fields.get("transfer-encoding", "").lower() == "chunked":
+                whole = []
+                while True:
+                    size = int((await r.readuntil(b"\r\n")).split(b";")[0], 16)
+                    if size == 0:
+                        while await r.readuntil(b"\r\n") != b"\r\n":  # (trailers)
+                            pass
+                        break
+                    data = (await r.readexactly(size + 2))[:-2]
+                    if status == 200:
+                        yield data
+                    else:
+                        whole.append(data)
+                data = b"".join(whole)
+            else:
+                data = await r.readexactly(int(fields.get("content-length", 0)))
+                if status == 200:
+                    yield data
+            if fields.get("connection", "").lower() == "close":
+                self.close()
+        except BaseException:
+            self.close()  # (a stream left part read cannot carry the next request)
+            raise
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data.decode(errors='replace')[:300]}")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def _one(conn: _Connection, model: str, ids: list[int], n_out: int, headers: dict):
+    """One streamed request: (TTFT, latency, completion tokens, chunks with choices). The SSE is split into events
+    on the bytes; only the first event, the last (the usage chunk) and any naming an error are parsed as JSON."""
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     t0 = time.perf_counter()
-    first, n_tokens = None, 0
-    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    first, last, n_events, buf = None, None, 0, b""
+    async for data in conn.post_stream("/v1/completions", body, headers):
+        *events, buf = (buf + data).split(b"\n\n")
+        for ev in events:
+            if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and first is None:
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                n_tokens = chunk["usage"]["completion_tokens"]
-    return first - t0, time.perf_counter() - t0, n_tokens
+            if first is None or b'"error"' in ev:
+                chunk = json.loads(ev[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if first is None and chunk["choices"]:
+                    first = time.perf_counter()
+            n_events += 1
+            last = ev
+    if first is None or last is None:
+        raise RuntimeError("the stream ended without a token")
+    end = json.loads(last[6:])
+    if end["choices"] or not end.get("usage"):
+        raise RuntimeError("the stream's last chunk is not the usage chunk")
+    return first - t0, time.perf_counter() - t0, end["usage"]["completion_tokens"], n_events - 1
 
 
 async def load(url: str, model: str, prompts: list[list[int]], n_out: int, concurrency: int, api_key: str | None):
+    """``prompts`` through ``concurrency`` connections, each sending its next request when its last one ends
+    (results in the prompts' order); returns (wall seconds, results)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        async def guarded(ids):
-            async with sem:
-                return await _one(client, url, model, ids, n_out, headers)
+    results: list = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p) for p in prompts))
-        return time.perf_counter() - t0, results
+    async def worker():
+        conn = _Connection(url)
+        try:
+            for i in todo:
+                results[i] = await _one(conn, model, prompts[i], n_out, headers)
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    return time.perf_counter() - t0, results
 
 
 # ---- the engine side ---------------------------------------------------------------------------------
@@ -139,6 +221,7 @@ def run_generate(args, settings, prompts: list[list[int]], warm: list[list[int]]
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     if warm:
         llm.generate(warm, sp)
+    steps = time_steps(llm.engine)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -150,7 +233,134 @@ def run_generate(args, settings, prompts: list[list[int]], warm: list[list[int]]
     e2e = [o.metrics["finish_time"] - o.metrics["arrival_time"] for o in outs]
     spec = llm.get_stats().get("speculative")
     llm.shutdown()
-    return summarize("LLM.generate", wall, ttft, e2e, [len(o.outputs[0].token_ids) for o in outs]), spec
+    return summarize("LLM.generate", wall, ttft, e2e, [len(o.outputs[0].token_ids) for o in outs]), spec, steps
+
+
+def time_steps(engine) -> dict[str, list[float]]:
+    """Wrap ``engine.step`` (this process's engine): each call's wall seconds, by what the step ran (the server's
+    engine loop reports the same kinds, ``dsv4.serve.loop.StepKinds``)."""
+    from dsv4.serve.loop import StepKinds
+
+    kinds, step, times = StepKinds(engine), engine.step, {}
+
+    def timed():
+        t0 = time.perf_counter()
+        out = step()
+        times.setdefault(kinds(), []).append(time.perf_counter() - t0)
+        return out
+
+    engine.step = timed
+    return times
+
+
+# ---- what the run did: engine steps, CPU, chunks ----------------------------------------------------------
+def metric_samples(url: str) -> dict:
+    """The server's /metrics as {(name, labels tuple): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for smp in fam.samples:
+            key = (smp.name, tuple(sorted((k, v) for k, v in smp.labels.items() if k != "model_name")))
+            out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
+def server_steps(before: dict, after: dict) -> dict[str, dict]:
+    """The engine's step-time histogram over the timed load (after - before), by kind: count, sum and the
+    cumulative buckets (upper bound -> count)."""
+    out = {}
+    for (name, labels), v in after.items():
+        if not name.startswith("dsv4:engine_step_seconds"):
+            continue
+        lab = dict(labels)
+        d = out.setdefault(lab.get("kind", "?"), {"count": 0.0, "sum": 0.0, "buckets": {}})
+        v -= before.get((name, labels), 0.0)
+        if name.endswith("_count"):
+            d["count"] = v
+        elif name.endswith("_sum"):
+            d["sum"] = v
+        elif name.endswith("_bucket"):
+            d["buckets"][float(lab["le"])] = v
+    return {k: d for k, d in out.items() if d["count"] > 0}
+
+
+def _bucket_pct(buckets: dict[float, float], count: float, q: float) -> float:
+    """The upper bound of the histogram bucket holding the q-th percentile (an upper estimate)."""
+    for le in sorted(buckets):
+        if buckets[le] >= q / 100 * count:
+            return le
+    return float("inf")
+
+
+def step_rows(wall: float, served: dict[str, dict], gen_wall: float, generated: dict[str, list[float]]) -> list[str]:
+    rows = ["| path | step kind | steps | share of the wall time | mean (ms) | p50 / p90 / p99 (ms) |",
+            "|---|---|---|---|---|---|"]
+    for kind, d in sorted(served.items()):
+        p = [1e3 * _bucket_pct(d["buckets"], d["count"], q) for q in (50, 90, 99)]
+        rows.append(f"| dsv4 serve | {kind} | {d['count']:.0f} | {d['sum'] / wall:.2f} |"
+                    f" {1e3 * d['sum'] / d['count']:.2f}"
+                    f" | <= {p[0]:g} / {p[1]:g} / {p[2]:g} (bucket bounds) |")
+    for kind, v in sorted(generated.items()):
+        p = [1e3 * _pct(v, q) for q in (50, 90, 99)]
+        rows.append(f"| LLM.generate | {kind} | {len(v)} | {sum(v) / gen_wall:.2f} |"
+                    f" {1e3 * sum(v) / len(v):.2f} | {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} |")
+    return rows
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process of this machine (Linux), None when it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---- several client processes ----------------------------------------------------------------------------
+def _client_process(i, url, model, prompts, n_out, concurrency, api_key, start_at, q) -> None:
+    time.sleep(max(0.0, start_at - time.time()))
+    c0 = time.process_time()
+    try:
+        wall, res = asyncio.run(load(url, model, prompts, n_out, concurrency, api_key))
+        q.put((i, wall, res, time.process_time() - c0, None))
+    except Exception as e:
+        q.put((i, 0.0, [], time.process_time() - c0, f"{type(e).__name__}: {e}"))
+
+
+def run_load(url: str, model: str, prompts, n_out: int, concurrency: int, api_key, clients: int):
+    """The load from ``clients`` processes (prompts and concurrency shared out, started together); returns
+    (wall seconds, results in the prompts' order, the clients' CPU seconds)."""
+    if clients <= 1:
+        c0 = time.process_time()
+        wall, res = asyncio.run(load(url, model, prompts, n_out, concurrency, api_key))
+        return wall, res, time.process_time() - c0
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    start_at = time.time() + 2.0  # (the interpreters start meanwhile)
+    shares = [list(range(i, len(prompts), clients)) for i in range(clients)]
+    procs = [ctx.Process(target=_client_process, args=(i, url, model, [prompts[j] for j in share], n_out,
+                                                       concurrency // clients + (i < concurrency % clients),
+                                                       api_key, start_at, q), daemon=True)
+             for i, share in enumerate(shares)]
+    for pr in procs:
+        pr.start()
+    got = [q.get() for _ in procs]
+    for pr in procs:
+        pr.join()
+    errors = [e for *_, e in got if e]
+    if errors:
+        raise RuntimeError(f"a load client failed: {errors[0]}")
+    results: list = [None] * len(prompts)
+    for i, _, res, _, _ in got:
+        for j, r in zip(shares[i], res):
+            results[j] = r
+    return max(g[1] for g in got), results, sum(g[3] for g in got)
 
 
 def main(argv=None) -> int:
@@ -173,6 +383,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start_timeout", type=float, default=900)
     p.add_argument("--report_json", default=None)
+    p.add_argument("--clients", type=int, default=2, help="load client processes (concurrency shared out)")
     args = p.parse_args(argv)
     args.max_seq_len = args.max_seq_len or args.input_len + args.output_len
     warmup = args.concurrency if args.warmup is None else args.warmup
@@ -190,7 +401,7 @@ def main(argv=None) -> int:
     prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)]
     warm = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(warmup)]
 
-    proc = None
+    proc, log_path = None, None
     if args.url:
         url, name = args.url.rstrip("/"), None
     else:
@@ -199,8 +410,16 @@ def main(argv=None) -> int:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         name = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         if warm:
-            asyncio.run(load(url, name, warm, args.output_len, args.concurrency, args.api_key))
-        wall, res = asyncio.run(load(url, name, prompts, args.output_len, args.concurrency, args.api_key))
+            run_load(url, name, warm, args.output_len, args.concurrency, args.api_key, args.clients)
+        before = metric_samples(url)
+        engine_pid = _engine_pid(url)
+        pids = {"HTTP process": proc.pid if proc is not None else None, "engine process": engine_pid}
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        wall, res, client_cpu = run_load(url, name, prompts, args.output_len, args.concurrency, args.api_key,
+                                         args.clients)
+        cpu = {k: (c - cpu0[k]) if (c := cpu_seconds(pids[k])) is not None and cpu0[k] is not None else None
+               for k in pids}
+        after = metric_samples(url)
     finally:
         if proc is not None:
             proc.terminate()
@@ -210,7 +429,7 @@ def main(argv=None) -> int:
                 proc.kill()
     served = summarize("dsv4 serve (HTTP, streamed)", wall, [r[0] for r in res], [r[1] for r in res],
                        [r[2] for r in res])
-    offline, spec = run_generate(args, settings, prompts, warm)
+    offline, spec, gen_steps = run_generate(args, settings, prompts, warm)
 
     rows = [served, offline]
     print(f"\n{args.num_requests} requests, {args.input_len} in / {args.output_len} out, concurrency"
@@ -226,11 +445,33 @@ def main(argv=None) -> int:
     if spec:
         print(f"MTP (generate): acceptance {spec['acceptance_rate']:.2f}, mean accepted length"
               f" {spec['mean_accepted_len']:.2f}")
+    tokens, chunks = sum(r[2] for r in res), sum(r[3] for r in res)
+    usage = [f"{k} {v / wall:.2f}" for k, v in cpu.items() if v is not None]
+    usage.append(f"load client ({args.clients} process{'es' if args.clients > 1 else ''}) {client_cpu / wall:.2f}")
+    print(f"\nserver, timed load: {chunks} chunks ({chunks / wall:.0f}/s), {tokens / max(chunks, 1):.2f} tokens per"
+          f" chunk; CPU seconds per second: " + ", ".join(usage))
+    steps = server_steps(before, after)
+    print("\nengine steps (the server's over the timed load, from /metrics; generate's over its timed call):")
+    print("\n".join(step_rows(wall, steps, offline["wall_s"], gen_steps)))
+    if log_path:
+        slow = [line.rstrip() for line in open(log_path, errors="replace") if "took" in line and "engine step" in line]
+        print(f"\nsteps slower than 1 s in the server's log (warmup included): {len(slow)}")
+        for line in slow[:10]:
+            print("  " + line)
     if args.report_json:
         with open(args.report_json, "w") as f:
-            json.dump({"args": vars(args), "served": served, "generate": offline, "ratio": ratio, "mtp": spec}, f,
+            json.dump({"args": vars(args), "served": served, "generate": offline, "ratio": ratio, "mtp": spec,
+                       "chunks": chunks, "cpu_s": cpu, "client_cpu_s": client_cpu,
+                       "server_steps": steps, "generate_steps": {k: len(v) for k, v in gen_steps.items()}}, f,
                       indent=1)
     return 0
+
+
+def _engine_pid(url: str) -> int | None:
+    for (name, labels), _ in metric_samples(url).items():
+        if name == "dsv4:engine_info":
+            return int(dict(labels)["pid"])
+    return None
 
 
 if __name__ == "__main__":
