@@ -30,7 +30,7 @@ from typing import NamedTuple
 from multiprocessing.reduction import ForkingPickler
 
 from ..engine.sampling_params import SamplingParams
-from .messages import Abort, Add, Dead, Stats, Step, Stop, Update
+from .messages import Abort, Add, Dead, Stats, Step, Stop, Update, poller
 from .protocol import ApiError
 
 log = logging.getLogger("dsv4.serve")
@@ -62,8 +62,8 @@ class EngineClient:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # pickled messages for the sender thread
         self._queued = 0  # messages put in the outbox and not yet written (the sender thread counts them down)
         self._queued_lock = threading.Lock()
-        self._room = select.poll()  # POLLOUT: the connection's buffer has room (a quarter of it or less in use)
-        self._room.register(self.conn.fileno(), select.POLLOUT)
+        self._has_room = poller(self.conn, select.POLLOUT)
+        self._has_message = poller(self.conn)
         self._sender = threading.Thread(target=self._send_loop, name="dsv4-engine-sender", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spec_seen = (0, 0)
@@ -119,12 +119,6 @@ class EngineClient:
             self._queued += 1
         self._outbox.put((buf, isinstance(msg, Stop)))
 
-    def _has_room(self) -> bool:
-        try:
-            return bool(self._room.poll(0))
-        except (OSError, ValueError):
-            return False
-
     def _send_loop(self) -> None:
         while True:
             buf, last = self._outbox.get()
@@ -151,7 +145,7 @@ class EngineClient:
                     return
                 else:
                     raise TypeError(f"the engine loop sent an unknown message: {type(msg).__name__}")
-                if not self.conn.poll():
+                if not self._has_message():
                     return
         except (EOFError, OSError):
             self._unwatch()

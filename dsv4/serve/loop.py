@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .. import env
 from ..engine.engine import RequestError
-from .messages import Abort, Add, Dead, Step, Stop
+from .messages import Abort, Add, Dead, Step, Stop, poller
 
 log = logging.getLogger("dsv4.serve")
 
@@ -78,6 +78,7 @@ class EngineLoop:
         self._unscheduled: set[str] = set()  # requests whose queue time is not reported yet
         self._pending: list[tuple] = []  # updates (Update's fields) for the next message
         self._kinds = StepKinds(engine)
+        self._has_message = poller(conn)
         self._stop = False
         self._check_cache = env.flag(env.CHECK_CACHE)
 
@@ -109,7 +110,7 @@ class EngineLoop:
             self._reqs.clear()
 
     def _drain(self) -> None:
-        while not self._stop and self.conn.poll():
+        while not self._stop and self._has_message():
             self._take(self.conn.recv())
 
     def _take(self, msg) -> None:

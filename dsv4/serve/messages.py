@@ -13,8 +13,9 @@ the loop fails.
 
 from __future__ import annotations
 
+import select
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..engine.sampling_params import SamplingParams
 
@@ -68,6 +69,22 @@ class Stats(NamedTuple):
     kv_used_slots: int
     spec_drafts: int | None  # MTP counters since the engine's last reset_stats; None without MTP
     spec_accepted: int | None
+
+
+def poller(conn, event: int = select.POLLIN) -> Callable[[], bool]:
+    """``check()``: whether ``conn`` is ready now (POLLIN: a message, or the other end closed, waits; POLLOUT: its
+    send buffer is three quarters free or more). One poll object kept for the connection: ``conn.poll()`` builds a
+    selector every call, 15 us against 2 (2-core CPU), and both ends ask once or more per engine step."""
+    p = select.poll()
+    p.register(conn.fileno(), event)
+
+    def check() -> bool:
+        try:
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return event == select.POLLIN  # (closed: a read says so)
+
+    return check
 
 
 class Step(NamedTuple):
