@@ -374,9 +374,6 @@ async def bare_sse_server(port: int, n_out: int) -> None:
         finally:
             writer.close()
 
-    async def health(reader, writer):
-        pass
-
     server = await asyncio.start_server(handle, "127.0.0.1", port)
     async with server:
         await server.serve_forever()

@@ -213,3 +213,20 @@ def test_job_coalesces_queued_events_as_before():
             job._queue.put_nowait(ev)
         assert job._merged(events[0]) == _merged_reference(events[0], events[1:])
         assert job._queue.empty()
+
+
+def test_serve_pads_decode_batches_on_cuda_unless_the_yaml_says_otherwise():
+    """dsv4 serve's own default (launch.serve_defaults): cuda_graph_config.enable_padding on CUDA, merged under
+    the YAML key by key; nothing on the CPU."""
+    from dsv4.bench.options import resolve
+    from dsv4.serve.launch import serve_defaults
+
+    def graphs(device, yaml):
+        return resolve({"max_batch_size": 8, "device": "cpu"}, yaml, "x.yml", derived=serve_defaults(device)) \
+            .config.cuda_graph_config
+
+    assert graphs("cuda", {}).enable_padding is True
+    assert graphs("cuda:1", {"cuda_graph_config": {"batch_sizes": [1, 8]}}).batch_sizes == [1, 8]
+    assert graphs("cuda", {"cuda_graph_config": {"batch_sizes": [1, 8]}}).enable_padding is True
+    assert graphs("cuda", {"cuda_graph_config": {"enable_padding": False}}).enable_padding is False
+    assert graphs("cpu", {}) is None

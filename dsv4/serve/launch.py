@@ -17,6 +17,15 @@ PROG = "dsv4 serve"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+def serve_defaults(device: str) -> dict:
+    """Settings ``dsv4 serve`` takes unless its flags or YAML say otherwise. On CUDA a decode batch pads up to the
+    next CUDA-graph bucket (``cuda_graph_config.enable_padding``, off in the LLM API as in TensorRT-LLM's): a
+    server's running batch is rarely a bucket's size (31 requests while a finished one's slot waits for the next
+    request, with buckets 16 and 32), and a step no bucket fits runs eagerly, several times a graph replay's cost
+    on a small model. (The CPU has no graphs.)"""
+    return {"cuda_graph_config": {"enable_padding": True}} if str(device).startswith("cuda") else {}
+
+
 def _opt(parser, *names, **kw):
     """An option under trtllm-serve's spelling (``--max_batch_size``) plus the dashed one."""
     spelled = list(names) + [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
@@ -87,7 +96,7 @@ def run(args) -> int:
                  "max_seq_len": args.max_seq_len, "tp": args.tp_size, "pp": args.pp_size, "ep": args.ep_size,
                  "kv_cache_free_gpu_mem_fraction": args.kv_cache_free_gpu_memory_fraction,
                  "device": device, "dtype": args.dtype}
-        settings = resolve(flags, yaml_settings, args.extra_llm_api_options)
+        settings = resolve(flags, yaml_settings, args.extra_llm_api_options, derived=serve_defaults(device))
     except (BenchOptionsError, EngineConfigError) as e:
         return _fail(str(e).replace("--config", "--extra_llm_api_options"))
     for o in settings.overrides:
