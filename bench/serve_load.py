@@ -388,6 +388,7 @@ def main(argv=None) -> int:
                    help="timed loads of the same requests on the same server (a second pass runs on whatever the"
                         " first compiled or captured for the first time)")
     args = p.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # (what was printed survives a timeout)
     args.max_seq_len = args.max_seq_len or args.input_len + args.output_len
     warmup = args.concurrency if args.warmup is None else args.warmup
 
@@ -433,23 +434,10 @@ def main(argv=None) -> int:
         res = ps["results"]
         ps["summary"] = summarize("dsv4 serve (HTTP, streamed)" + (f", pass {i + 1}" if args.passes > 1 else ""),
                                   ps["wall"], [r[0] for r in res], [r[1] for r in res], [r[2] for r in res])
-    offline, spec, gen_steps = run_generate(args, settings, prompts, warm)
-
-    rows = [ps["summary"] for ps in passes] + [offline]
-    print(f"\n{args.num_requests} requests, {args.input_len} in / {args.output_len} out, concurrency"
-          f" {args.concurrency}, {args.model} on {args.device}" + (f", {args.config}" if args.config else ""))
-    print("| path | output tok/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | latency p50 / p99 (s) |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        t, o, e = r["ttft_ms"], r["tpot_ms"], r["e2e_s"]
-        print(f"| {r['path']} | {r['output_tok_s']:.1f} | {t[50]:.1f} / {t[90]:.1f} / {t[99]:.1f} |"
-              f" {o[50]:.2f} / {o[90]:.2f} / {o[99]:.2f} | {e[50]:.2f} / {e[99]:.2f} |")
-    ratios = [ps["summary"]["output_tok_s"] / offline["output_tok_s"] for ps in passes]
-    print("\nserver / LLM.generate output tok/s: " + ", ".join(f"{r:.3f}" for r in ratios)
-          + (" (passes 1..)" if len(ratios) > 1 else "") + " (goal: >= 0.90)")
-    if spec:
-        print(f"MTP (generate): acceptance {spec['acceptance_rate']:.2f}, mean accepted length"
-              f" {spec['mean_accepted_len']:.2f}")
+    title = (f"\n{args.num_requests} requests, {args.input_len} in / {args.output_len} out, concurrency"
+             f" {args.concurrency}, {args.model} on {args.device}" + (f", {args.config}" if args.config else ""))
+    print(title)  # (the server's part first: it is there even if building generate's engine fails)
+    print_table([ps["summary"] for ps in passes])
     for i, ps in enumerate(passes):
         wall, res = ps["wall"], ps["results"]
         tokens, chunks = sum(r[2] for r in res), sum(r[3] for r in res)
@@ -459,17 +447,36 @@ def main(argv=None) -> int:
         print(f"\nserver, timed load{f' (pass {i + 1})' if len(passes) > 1 else ''}: {chunks} chunks"
               f" ({chunks / wall:.0f}/s), {tokens / max(chunks, 1):.2f} tokens per chunk; CPU seconds per second: "
               + ", ".join(usage))
-        print("engine steps (the server's over the timed load, from /metrics; generate's over its timed call):")
-        print("\n".join(step_rows(wall, ps["steps"], offline["wall_s"], gen_steps if i == len(passes) - 1 else {})))
+        print("\n".join(step_rows(wall, ps["steps"], 0.0, {})))
         print(f"steps slower than 1 s in the server's log during this pass: {len(ps['slow'])}")
         for line in ps["slow"][:10]:
             print("  " + line)
+    offline, spec, gen_steps = run_generate(args, settings, prompts, warm)
+    print("\nLLM.generate's steps:")
+    print("\n".join(step_rows(0.0, {}, offline["wall_s"], gen_steps)))
+    print(title)
+    print_table([ps["summary"] for ps in passes] + [offline])
+    ratios = [ps["summary"]["output_tok_s"] / offline["output_tok_s"] for ps in passes]
+    print("\nserver / LLM.generate output tok/s: " + ", ".join(f"{r:.3f}" for r in ratios)
+          + (" (passes 1..)" if len(ratios) > 1 else "") + " (goal: >= 0.90)")
+    if spec:
+        print(f"MTP (generate): acceptance {spec['acceptance_rate']:.2f}, mean accepted length"
+              f" {spec['mean_accepted_len']:.2f}")
     if args.report_json:
         with open(args.report_json, "w") as f:
             json.dump({"args": vars(args), "generate": offline, "ratios": ratios, "mtp": spec,
                        "passes": [{k: v for k, v in ps.items() if k != "results"} for ps in passes],
                        "generate_steps": {k: len(v) for k, v in gen_steps.items()}}, f, indent=1)
     return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| path | output tok/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | latency p50 / p99 (s) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        t, o, e = r["ttft_ms"], r["tpot_ms"], r["e2e_s"]
+        print(f"| {r['path']} | {r['output_tok_s']:.1f} | {t[50]:.1f} / {t[90]:.1f} / {t[99]:.1f} |"
+              f" {o[50]:.2f} / {o[90]:.2f} / {o[99]:.2f} | {e[50]:.2f} / {e[99]:.2f} |")
 
 
 def timed_pass(args, url: str, name: str, prompts, pids: dict, log_path: str | None) -> dict:
