@@ -252,9 +252,7 @@ class LLMEngine:
                                        [s.request.params.logprobs for s in seqs])
         proposals = self.proposer.propose_on_device(seqs, plan, target, verdict)
         sampled = [b for b, s in enumerate(seqs) if s.sample]
-        first_row = list(itertools.accumulate(verdict.rows_per_seq, initial=0))
-        t = to_device([first_row[b] for b in sampled] + sampled, self.device)
-        bonus = verdict.target_ids[t[:len(sampled)] + verdict.accepted_drafts[t[len(sampled):]]]
+        bonus = verdict.last_ids
         drafts = proposals.drafts
         if drafts.active != tuple(sampled):
             raise RuntimeError(f"the proposer drafted for seqs {drafts.active}, the step samples {sampled}")

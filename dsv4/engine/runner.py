@@ -260,13 +260,17 @@ class ModelRunner:
 
     def _run_target(self, plan, token_ids, logit_rows, graphed, pending):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None, the input ids [N_pad] on the
-        device). ``graphed``: replay the
-        plan's CUDA graph bucket (or run its static buffers eagerly when not capturing). ``pending``:
-        (positions, device tokens) of inputs that are still on the device (PENDING in ``token_ids``)."""
+        device). ``graphed``: replay the plan's CUDA graph bucket (or run its static buffers eagerly when not
+        capturing). ``pending``: (step positions, indices into ``values``, ``values``: a device tensor) of the
+        inputs that are still on the device (PENDING in ``token_ids``)."""
         ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
-        if pending:
-            ids[to_device(pending[0], self.device)] = pending[1]
-        idx = to_device(list(logit_rows), self.device) if logit_rows else None
+        # one copy for the logit rows and the pending inputs' (positions, flat indices into ``pending[2]``)
+        dst, src, values = pending if pending else ((), (), None)
+        R, P = len(logit_rows), len(dst)
+        t = to_device(list(logit_rows) + list(dst) + list(src), self.device) if R or P else None
+        if P:
+            ids[t[R:R + P]] = values[t[R + P:]]
+        idx = t[:R] if R else None
         if graphed:
             self._check_graphed(plan)
             X, all_logits = self.graphs.target(plan, ids)
@@ -343,7 +347,7 @@ class ModelRunner:
         inputs this step's requests have as PENDING."""
         ids, rows, counts = target_inputs(seqs)
         dst, src = pending_inputs(seqs, prev)
-        pending = (dst, prev.inputs.reshape(-1)[to_device(src, self.device)]) if dst else None
+        pending = (dst, src, prev.inputs.reshape(-1)) if dst else None
         with self.pass_context():
             X, logits, inputs = self._run_target(plan, ids, rows, self._graphed(plan), pending)
         per_seq, off = [], 0

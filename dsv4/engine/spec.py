@@ -69,6 +69,7 @@ class DeviceVerdict:
     accepted_rows: torch.Tensor  # [B] rows of each seq's step that stay in the cache
     rows_per_seq: tuple[int, ...]  # verify rows of each seq (0: samples nothing)
     host: HostCopy  # target_ids, accepted_rows, then the drafts each verify row checked, on their way to the host
+    last_ids: torch.Tensor  # [S] per seq that samples, in order: the token it emits last (after its accepted drafts)
 
     def read(self) -> tuple[list[list[int]], list[int]]:
         """(each seq's target argmax rows, each seq's accepted rows) on the host; waits for the copy only."""
@@ -101,12 +102,16 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
     ``target_ids`` rows hold the emitted tokens (the accepted drafts, then the resampled or bonus token)."""
     G = greedy_tokens(logits)
     checks, seq_of, local, counts, fixed, start = [], [], [], [], [], 0
+    sampled, first_row = [], []  # the seqs that sample, and where their verify rows start
     for b, s in enumerate(seqs):
         d = len(s.drafts) if s.sample else 0
         n = d + 1 if s.sample else 0
         # the draft verify row j checks: a draft id, or (from ``inputs``) the step position holding it; -1: none
         checks += (list(s.drafts[:d]) if inputs is None else list(range(start + s.num_new - d, start + s.num_new)))
         checks += [-1] * (n - d)
+        if n:
+            sampled.append(b)
+            first_row.append(len(seq_of))
         seq_of += [b] * n
         local += range(n)
         counts.append(n)
@@ -115,8 +120,10 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
     R, B = len(checks), len(seqs)
     if R != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} verify rows of logits for seqs that verify {R}")
-    t = to_device(checks + seq_of + local + fixed, logits.device)
-    chk, seq, loc, kept = t[:R], t[R:2 * R], t[2 * R:3 * R], t[3 * R:]
+    S = len(sampled)
+    t = to_device(checks + seq_of + local + fixed + sampled + first_row, logits.device)
+    chk, seq, loc, kept = t[:R], t[R:2 * R], t[2 * R:3 * R], t[3 * R:3 * R + B]
+    sampled_t, first_t = t[3 * R + B:3 * R + B + S], t[3 * R + B + S:]
     if inputs is not None:
         chk = torch.where(chk >= 0, inputs[chk.clamp(min=0)], -1)
     first_miss = torch.where(G != chk, loc, R + 1)
@@ -133,7 +140,7 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
                 req.generator)
         off += n
     rows = kept + a
-    return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows, chk])))
+    return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows, chk])), G[first_t + a[sampled_t]])
 
 
 def rejection_sample_on_device(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
