@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from dsv4 import LLM, SamplingParams
+from dsv4 import LLM, SamplingParams, transfer
 from dsv4.builtin import heldout_prompts
 
 
@@ -46,6 +46,13 @@ def run(args, overlap: bool, prompts) -> tuple[float, int, str]:
     return wall, calls, s.getvalue()
 
 
+class _NoRing:
+    """transfer's staging ring switched off: every queued copy takes a pinned tensor of its own (the way before)."""
+
+    def copy(self, values):
+        return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda")
@@ -56,12 +63,21 @@ def main():
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
     prompts = heldout_prompts("mini")[:args.concurrency]
+    real_ring = transfer._ring
+    profiles = []
     for overlap in (True, False):
-        wall, calls, text = run(args, overlap, prompts)
-        toks = args.gen * len(prompts)
-        print(f"== overlap {'on' if overlap else 'off'}: {toks / wall:.0f} tok/s (profiled), {calls} calls,"
-              f" {1e3 * wall / calls:.3f} ms per call")
-        print("\n".join(line[:150] for line in text.splitlines()[:args.top + 12]))
+        for ring in (True, False):
+            transfer._ring = real_ring if ring else (lambda device: _NoRing())
+            wall, calls, text = run(args, overlap, prompts)
+            toks = args.gen * len(prompts)
+            print(f"== overlap {'on' if overlap else 'off'}, staging ring {'on' if ring else 'off'}: {toks / wall:.0f}"
+                  f" tok/s (profiled), {calls} calls, {1e3 * wall / calls:.3f} ms per call", flush=True)
+            profiles.append((overlap, ring, text))
+    transfer._ring = real_ring
+    for overlap, ring, text in profiles:
+        if ring:
+            print(f"== overlap {'on' if overlap else 'off'} (staging ring on): most own time")
+            print("\n".join(line[:150] for line in text.splitlines()[:args.top + 9]))
 
 
 if __name__ == "__main__":
