@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,6 +52,8 @@ class FakeSpec:
     tokens_per_step: int
     tokens: tuple[int, ...]  # what the requests generate, cycled
     max_seq_len: int = 4096
+    prefill_s: float = 0.0  # a step that admits a request takes this long (0: interval_s) (the real one runs eagerly)
+    batch_wait_steps: int = 0  # the loop's (dsv4 serve --batch_wait_steps)
 
 
 @dataclass(eq=False)
@@ -84,7 +87,9 @@ class FakeEngine:
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
         self.cache = _NoCache()
+        self.cfg = SimpleNamespace(max_batch_size=spec.max_batch_size)  # (the loop's batch wait reads it)
         self.num_steps = 0
+        self.last_step: dict = {}  # (what loop.StepKinds reads: a new request's first step counts its prompt)
         self.timing = {"outside": 0.0, "overshoot": 0.0, "work": 0.0, "n": 0}  # seconds, summed over steps
         self._left_at = None
 
@@ -114,10 +119,14 @@ class FakeEngine:
         if self._left_at is not None and self._running:
             self.timing["outside"] += t0 - self._left_at
             self.timing["n"] += 1
+        tokens = len(self._running)
         while self._waiting and len(self._running) < self.spec.max_batch_size:
             r = self._waiting.popleft()
             r.first_scheduled_time = t0
             self._running.append(r)
+            tokens += len(r.prompt)
+            if self.spec.prefill_s:
+                end = t0 + self.spec.prefill_s
         toks, k = self.spec.tokens, self.spec.tokens_per_step
         outs = []
         for r in self._running:
@@ -134,6 +143,7 @@ class FakeEngine:
                                                "first_scheduled_time": r.first_scheduled_time,
                                                "first_token_time": r.first_token_time, "finish_time": None,
                                                "num_preemptions": 0}))
+        self.last_step = {"step": self.num_steps + 1, "num_seqs": len(self._running), "num_tokens": tokens}
         self._running = [r for r in self._running if not r.finished]
         self.num_steps += 1
         t1 = time.perf_counter()
@@ -160,7 +170,7 @@ def fake_engine_main(spec: FakeSpec, conn) -> None:
     conn.send(Ready(EngineInfo(spec.max_seq_len, 1 << 20, 1, os.getpid())))
     engine = FakeEngine(spec)
     try:
-        EngineLoop(engine, conn).run()
+        EngineLoop(engine, conn, spec.batch_wait_steps).run()
     except (BrokenPipeError, ConnectionResetError, EOFError):
         pass
     finally:
@@ -180,7 +190,9 @@ def fake_spec(args) -> FakeSpec:
     path = resolve_model("mini")
     tok = load_tokenizer(path)
     ids = [t for p in heldout_prompts("mini")[:20] for t in tok.encode(p, add_special_tokens=False).ids]
-    return FakeSpec(path, args.interval_ms / 1e3, args.concurrency, args.tokens_per_step, tuple(ids))
+    return FakeSpec(path, args.interval_ms / 1e3, args.concurrency, args.tokens_per_step, tuple(ids),
+                    prefill_s=getattr(args, "prefill_ms", 0.0) / 1e3,
+                    batch_wait_steps=getattr(args, "batch_wait_steps", 0))
 
 
 # ---- processes ------------------------------------------------------------------------------------------
@@ -445,6 +457,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("server", "pipe", "client"), default="server")
     p.add_argument("--interval_ms", type=float, default=2.5)
     p.add_argument("--tokens_per_step", type=int, default=1)
+    p.add_argument("--prefill_ms", type=float, default=0.0, help="a step that admits requests takes this long")
+    p.add_argument("--batch_wait_steps", type=int, default=0, help="the engine loop's (dsv4 serve's flag)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num_requests", type=int, default=256)
     p.add_argument("--input_len", type=int, default=128)
@@ -529,6 +543,12 @@ def main(argv=None) -> int:
     print("  " + "; ".join(parts))
     if metrics_text:
         print("  server side (since start, warmup included): " + server_side(metrics_text))
+        kinds = {}
+        for line in metrics_text.splitlines():
+            m = re.match(r'dsv4:engine_step_seconds_count\{.*kind="(\w+)".*\} (\S+)', line)
+            if m:
+                kinds[m.group(1)] = int(float(m.group(2)))
+        print(f"  engine steps by kind (warmup included): {kinds}")
     return 0
 
 

@@ -43,6 +43,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -88,6 +89,7 @@ def start_server(args, yaml_path: str | None) -> tuple[subprocess.Popen, str, st
         cmd += ["--extra_llm_api_options", yaml_path]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += shlex.split(args.server_args)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -384,6 +386,8 @@ def main(argv=None) -> int:
     p.add_argument("--start_timeout", type=float, default=900)
     p.add_argument("--report_json", default=None)
     p.add_argument("--clients", type=int, default=2, help="load client processes (concurrency shared out)")
+    p.add_argument("--server_args", default="", help="more flags for dsv4 serve, e.g. '--batch_wait_steps 4'")
+    p.add_argument("--no_generate", action="store_true", help="the server's part only (no LLM.generate row)")
     p.add_argument("--passes", type=int, default=1,
                    help="timed loads of the same requests on the same server (a second pass runs on whatever the"
                         " first compiled or captured for the first time)")
@@ -451,6 +455,12 @@ def main(argv=None) -> int:
         print(f"steps slower than 1 s in the server's log during this pass: {len(ps['slow'])}")
         for line in ps["slow"][:10]:
             print("  " + line)
+    if args.no_generate:
+        if args.report_json:
+            with open(args.report_json, "w") as f:
+                json.dump({"args": vars(args), "passes": [{k: v for k, v in ps.items() if k != "results"}
+                                                          for ps in passes]}, f, indent=1)
+        return 0
     offline, spec, gen_steps = run_generate(args, settings, prompts, warm)
     print("\nLLM.generate's steps:")
     print("\n".join(step_rows(0.0, {}, offline["wall_s"], gen_steps)))

@@ -230,3 +230,71 @@ def test_serve_pads_decode_batches_on_cuda_unless_the_yaml_says_otherwise():
     assert graphs("cuda", {"cuda_graph_config": {"batch_sizes": [1, 8]}}).enable_padding is True
     assert graphs("cuda", {"cuda_graph_config": {"enable_padding": False}}).enable_padding is False
     assert graphs("cpu", {}) is None
+
+
+def test_batch_wait_holds_new_requests_until_they_fill_the_batch_or_wait_long_enough():
+    """EngineLoop(batch_wait_steps=40) while one long request runs: two requests that come a step apart reach the
+    engine together, 40 steps after the first came; with room for only two more, the second fills the batch and
+    both go at once; an aborted held request never reaches the engine; an idle engine takes a request at once.
+    Their tokens are what they are without holding."""
+    engine = FakeEngine()
+    engine.cfg = SimpleNamespace(max_batch_size=8)
+    client = EngineClient(EngineThread(_fake_llm(engine), batch_wait_steps=40))
+    added_at: dict[str, int] = {}
+    add = engine.add_request
+
+    def recording_add(prompt_ids, params, request_id=None):
+        added_at[request_id] = engine.num_steps
+        return add(prompt_ids, params, request_id)
+
+    engine.add_request = recording_add
+    came: dict[str, int] = {}
+
+    async def main():
+        client.start()
+        queues = {}
+
+        def submit(rid, n):
+            queues[rid] = asyncio.Queue()
+            came[rid] = engine.num_steps
+            client.submit(rid, [5, 6], SamplingParams(max_tokens=n, ignore_eos=True), Sink(queues[rid], 0))
+
+        async def next_step():
+            n = engine.num_steps
+            while engine.num_steps == n:
+                await asyncio.sleep(0.0005)
+
+        async def until_done(rid):
+            tokens = []
+            while True:
+                u = (await asyncio.wait_for(queues[rid].get(), 30)).update
+                tokens += u.token_ids
+                if u.finish_reason is not None:
+                    return tokens
+
+        submit("first", 1000)  # the engine is idle: taken at once
+        await next_step()
+        submit("b", 4)
+        await next_step()
+        await next_step()
+        submit("c", 4)
+        submit("gone", 4)
+        client.abort("gone")
+        got_b, got_c = await until_done("b"), await until_done("c")
+        engine.cfg.max_batch_size = len(engine.requests) + 2  # room for two more
+        submit("d", 3)
+        await next_step()
+        submit("e", 3)
+        got_d, got_e = await until_done("d"), await until_done("e")
+        client.abort("first")
+        await asyncio.sleep(0.05)
+        client.stop()
+        return [got_b, got_c, got_d, got_e]
+
+    tokens = asyncio.run(main())
+    assert added_at["first"] == 0
+    assert added_at["c"] > came["c"] and added_at["b"] == added_at["c"], (added_at, came)
+    assert came["b"] + 40 <= added_at["b"] <= came["b"] + 45, (added_at, came)
+    assert "gone" not in added_at
+    assert added_at["d"] == added_at["e"] < came["d"] + 40, (added_at, came)
+    assert tokens == [[100, 101, 102, 103]] * 2 + [[100, 101, 102]] * 2

@@ -39,6 +39,7 @@ class EngineSpec:
     config: object  # an EngineConfig, already validated
     threads: int | None = None  # torch.set_num_threads in the engine process
     log_level: int = logging.WARNING
+    batch_wait_steps: int = 0  # EngineLoop's: new requests held back up to this many steps to prefill together
 
 
 def _info(llm) -> EngineInfo:
@@ -77,7 +78,7 @@ def _engine_main(spec: EngineSpec, conn) -> None:
     try:
         freeze_heap()  # the model, the engine, torch: out of the collector's view (nothing steps while it collects)
         conn.send(Ready(_info(llm)))
-        EngineLoop(llm.engine, conn).run()
+        EngineLoop(llm.engine, conn, spec.batch_wait_steps).run()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the server went away before the loop started
     finally:
@@ -149,19 +150,19 @@ class EngineProcess:
 
 
 class EngineThread:
-    def __init__(self, llm):
+    def __init__(self, llm, batch_wait_steps: int = 0):
         """Run the loop for ``llm`` (built in this process) in a thread, over a pipe as a process would."""
         self.conn, theirs = multiprocessing.Pipe()
         self.info = _info(llm)
         self.tokenizer = llm.tokenizer
-        self._thread = threading.Thread(target=self._run, args=(llm.engine, theirs), name="dsv4-engine-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(llm.engine, theirs, batch_wait_steps),
+                                        name="dsv4-engine-loop", daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _run(engine, conn) -> None:
+    def _run(engine, conn, batch_wait_steps: int) -> None:
         try:
-            EngineLoop(engine, conn).run()
+            EngineLoop(engine, conn, batch_wait_steps).run()
         except BaseException:
             pass  # logged by the loop, and the server told (Dead)
         finally:

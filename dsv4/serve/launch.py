@@ -57,6 +57,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _opt(s, "--chat_template", default=None, help="a Jinja chat template file, instead of the checkpoint's or"
          " DeepSeek-V4's built-in format")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (torch.set_num_threads)")
+    _opt(s, "--batch_wait_steps", type=int, default=0,
+         help="hold new requests that arrive while the engine is busy for up to this many steps (or until they fill"
+              " the free batch slots), so that they prefill in one step (default 0: none held)")
     _opt(s, "--log_level", default=argparse.SUPPRESS, type=str.lower, choices=LOG_LEVELS)
     s.set_defaults(fn=run)
     return s
@@ -82,6 +85,8 @@ def run(args) -> int:
         return _fail(f"--max_request_bytes {args.max_request_bytes}: must be >= 1")
     if args.threads is not None and args.threads < 1:
         return _fail(f"--threads {args.threads}: must be >= 1")
+    if args.batch_wait_steps < 0:
+        return _fail(f"--batch_wait_steps {args.batch_wait_steps}: must be >= 0")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     template = None
     if args.chat_template is not None:
@@ -110,7 +115,7 @@ def run(args) -> int:
 
     path = resolve_model(args.model)
     level = logging.getLogger().getEffectiveLevel()
-    engine = _start_engine(EngineSpec(path, settings.config, args.threads, level))
+    engine = _start_engine(EngineSpec(path, settings.config, args.threads, level, args.batch_wait_steps))
     if isinstance(engine, int):
         return engine
     try:

@@ -13,7 +13,11 @@ side (``client.py``) over one connection, in the messages of ``messages.py``:
 One ``Step`` message per engine step carries every request's new tokens (and logprobs, finish reason or error),
 the queue times of the requests it scheduled first, the engine's stats, and how long the step took and what
 it ran (a CUDA graph, an eager decode / verify, or prefill chunks: ``StepKinds``); a step slower than
-``SLOW_STEP_S`` is logged with what it held. A request leaves the engine's table
+``SLOW_STEP_S`` is logged with what it held. With ``batch_wait_steps`` (``dsv4 serve --batch_wait_steps``, off by
+default; TensorRT-LLM's ``batch_wait_timeout_iters``) new requests that arrive while the engine is busy are held
+back until every free batch slot has one or the first of them has waited that many steps, so that they prefill in
+one step instead of one step each (a step with a prefill chunk runs eagerly; a batch of decodes replays a CUDA
+graph); an idle engine takes them at once. A request leaves the engine's table
 when it finishes, is aborted (client gone, a stop string matched) or fails; aborting it frees its cache slot and
 blocks. When the engine is idle the loop reports its stats once and sleeps on the connection, and
 (``DSV4_CHECK_CACHE=1``) checks that the cache is whole. The connection closing (the server gone) ends it.
@@ -71,9 +75,12 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine, conn):
+    def __init__(self, engine, conn, batch_wait_steps: int = 0):
         self.engine = engine
         self.conn = conn
+        self.batch_wait_steps = batch_wait_steps
+        self._held: list[tuple[Add, int]] = []  # (a new request held back, the step count when it came)
+        self._steps = 0
         self._reqs: dict[str, _Tracked] = {}
         self._unscheduled: set[str] = set()  # requests whose queue time is not reported yet
         self._pending: list[tuple] = []  # updates (Update's fields) for the next message
@@ -87,12 +94,14 @@ class EngineLoop:
         and the exception propagates."""
         try:
             while not self._stop:
-                if not self.engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests() and not self._held:
                     if self._check_cache:
                         self.engine.cache.check_integrity()
                     self._send(0)
                     self._take(self.conn.recv())  # sleep until there is work
                 self._drain()
+                if self._held:
+                    self._release()
                 if not self._stop and self.engine.has_unfinished_requests():
                     self._step()
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -115,15 +124,14 @@ class EngineLoop:
 
     def _take(self, msg) -> None:
         if isinstance(msg, Add):
-            age = max(0.0, time.time() - msg.arrival)
-            try:
-                self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid)
-            except RequestError as e:
-                self._pending.append((msg.rid, [], "error", str(e), 400, None))
-                return
-            self._reqs[msg.rid] = _Tracked(time.perf_counter() - age)
-            self._unscheduled.add(msg.rid)
+            if self.batch_wait_steps and self.engine.has_unfinished_requests():
+                self._held.append((msg, self._steps))
+            else:
+                self._add(msg)
         elif isinstance(msg, Abort):
+            if any(m.rid == msg.rid for m, _ in self._held):
+                self._held = [(m, s) for m, s in self._held if m.rid != msg.rid]
+                return
             self._reqs.pop(msg.rid, None)
             self._unscheduled.discard(msg.rid)
             self.engine.abort_request(msg.rid)
@@ -131,6 +139,28 @@ class EngineLoop:
             self._stop = True
         else:
             raise TypeError(f"the engine loop got an unknown message: {type(msg).__name__}")
+
+    def _release(self) -> None:
+        """The held requests go to the engine together once the engine is idle, they fill its free batch slots,
+        or the first of them has waited ``batch_wait_steps`` steps."""
+        e = self.engine
+        cfg = getattr(e, "cfg", None)
+        room = cfg.max_batch_size * getattr(e, "num_lanes", 1) - len(e.requests) if cfg is not None else None
+        if (not e.has_unfinished_requests() or (room is not None and len(self._held) >= room)
+                or self._steps - self._held[0][1] >= self.batch_wait_steps):
+            held, self._held = self._held, []
+            for msg, _ in held:
+                self._add(msg)
+
+    def _add(self, msg: Add) -> None:
+        age = max(0.0, time.time() - msg.arrival)
+        try:
+            self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid)
+        except RequestError as e:
+            self._pending.append((msg.rid, [], "error", str(e), 400, None))
+            return
+        self._reqs[msg.rid] = _Tracked(time.perf_counter() - age)
+        self._unscheduled.add(msg.rid)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -142,6 +172,7 @@ class EngineLoop:
             self._send(0)
             return
         took = time.perf_counter() - t0
+        self._steps += 1
         kind = self._kinds()
         if took > SLOW_STEP_S:
             self._log_slow(took, kind)
