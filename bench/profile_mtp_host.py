@@ -33,15 +33,18 @@ def run(args, overlap: bool, prompts) -> tuple[float, int, str]:
     calls = 0
     torch.cuda.synchronize() if args.device == "cuda" else None
     t0 = time.perf_counter()
-    prof.enable()
+    if not args.no_profile:
+        prof.enable()
     while eng.has_unfinished_requests():
         eng.step()
         calls += 1
-    prof.disable()
+    if not args.no_profile:
+        prof.disable()
     torch.cuda.synchronize() if args.device == "cuda" else None
     wall = time.perf_counter() - t0
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+    if not args.no_profile:
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
     del llm
     return wall, calls, s.getvalue()
 
@@ -61,8 +64,10 @@ def main():
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--requests", type=int, default=None, help="held-out prompts (default: the concurrency)")
+    ap.add_argument("--no-profile", action="store_true", help="time the calls only (no cProfile overhead)")
     args = ap.parse_args()
-    prompts = heldout_prompts("mini")[:args.concurrency]
+    prompts = heldout_prompts("mini")[:args.requests or args.concurrency]
     real_ring = transfer._ring
     profiles = []
     for overlap in (True, False):
@@ -71,7 +76,7 @@ def main():
             wall, calls, text = run(args, overlap, prompts)
             toks = args.gen * len(prompts)
             print(f"== overlap {'on' if overlap else 'off'}, staging ring {'on' if ring else 'off'}: {toks / wall:.0f}"
-                  f" tok/s (profiled), {calls} calls, {1e3 * wall / calls:.3f} ms per call", flush=True)
+                  f" tok/s ({'timed' if args.no_profile else 'profiled'}), {calls} calls, {1e3 * wall / calls:.3f} ms per call", flush=True)
             profiles.append((overlap, ring, text))
     transfer._ring = real_ring
     for overlap, ring, text in profiles:
