@@ -300,15 +300,7 @@ class LLMEngine:
                     req.inflight = None  # (a later launched step of the request keeps its own)
                     if req.num_preemptions == m.epochs[b]:
                         req.drafts = proposed[b]  # (what its next step verifies, if that runs on the host)
-                fixed = s.num_new - len(s.drafts)
-                if req.params.greedy:
-                    toks = accept_greedy(ids[b], checked[b])
-                    if fixed + len(toks) - 1 != kept[b]:
-                        raise RuntimeError(f"request {req.request_id!r}: acceptance on the device kept {kept[b]}"
-                                           f" rows, the host's {fixed + len(toks) - 1} (drafts {checked[b]},"
-                                           f" target {ids[b]})")
-                else:
-                    toks = ids[b][:kept[b] - fixed + 1]
+                toks = self._verdict_tokens(s, ids[b], kept[b], checked[b])
                 if not req.finished and req.finish_reason is None:
                     self.spec_stats.record(len(s.drafts), len(toks) - 1)
                     lp = row_logprobs[b]
@@ -367,22 +359,33 @@ class LLMEngine:
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
         proposals = self.proposer.propose(seqs, plan, target, verdict, [s.sample for s in seqs])
-        ids, kept = verdict.read()
+        ids, kept, checked = verdict.read_all()
         row_logprobs = logprobs.read() if logprobs is not None else [None] * len(seqs)
         accepted, emitted = [], []
-        for s, tgt, n, lp in zip(seqs, ids, kept, row_logprobs):
+        for s, tgt, n, drafts, lp in zip(seqs, ids, kept, checked, row_logprobs):
             if not s.sample:
                 accepted.append(s.num_new)
                 emitted.append([])
                 continue
-            greedy = s.request.params.greedy
-            toks = accept_greedy(tgt, list(s.drafts)) if greedy else tgt[:n - (s.num_new - len(s.drafts)) + 1]
+            toks = self._verdict_tokens(s, tgt, n, drafts)
             self._accept(s, toks, None if lp is None else lp[:len(toks)], accepted, emitted)
-            if accepted[-1] != n:
-                raise RuntimeError(f"request {s.request.request_id!r}: acceptance on the device kept {n} rows,"
-                                   f" the host's {accepted[-1]} (drafts {list(s.drafts)}, target {tgt})")
         self._adopt(seqs, proposals)
         return accepted, emitted
+
+    @staticmethod
+    def _verdict_tokens(s: ScheduledSeq, target: list[int], kept: int, drafts: list[int]) -> list[int]:
+        """The tokens a seq emits from a device verdict read back: ``target`` its rows of the verdict's
+        target ids, ``kept`` its accepted rows, ``drafts`` the drafts the device verified. A greedy seq's are
+        recomputed by ``accept_greedy`` and must keep as many rows as the device did; a sampled seq's are the
+        device's (its accepted drafts, then the drawn token)."""
+        fixed = s.num_new - len(s.drafts)  # rows kept whatever the verdict
+        if not s.request.params.greedy:
+            return target[:kept - fixed + 1]
+        toks = accept_greedy(target, drafts)
+        if fixed + len(toks) - 1 != kept:
+            raise RuntimeError(f"request {s.request.request_id!r}: acceptance on the device kept {kept} rows, the"
+                               f" host's {fixed + len(toks) - 1} (drafts {drafts}, target {target})")
+        return toks
 
     def _accept(self, s: ScheduledSeq, toks: list[int], logprobs: list[dict] | None, accepted: list[int],
                 emitted: list[list[int]]) -> None:

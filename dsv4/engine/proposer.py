@@ -47,11 +47,7 @@ class DeviceProposals:
 
     def read(self) -> list[list[int]]:
         """Per seq, its drafts on the host ([] for a seq that does not sample); waits for their copy only."""
-        out: list[list[int]] = [[] for _ in range(self.drafts.num_seqs)]
-        if self.host is not None:
-            for b, row in zip(self.drafts.active, self.host.tolist()):
-                out[b] = row
-        return out
+        return self.drafts.per_seq(self.host.tolist() if self.host is not None else [])
 
 
 class Proposer:

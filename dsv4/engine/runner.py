@@ -129,10 +129,13 @@ class DraftTokens:
 
     def tolist(self) -> list[list[int]]:
         """Per seq, its drafts on the host ([] for a seq that does not draft); reads the device."""
+        return self.per_seq(self.tokens.tolist() if self.tokens is not None else [])
+
+    def per_seq(self, rows: list[list[int]]) -> list[list[int]]:
+        """``rows`` (the active seqs' drafts, as ``tokens`` holds them) spread over every seq of the step."""
         out: list[list[int]] = [[] for _ in range(self.num_seqs)]
-        if self.tokens is not None:
-            for b, row in zip(self.active, self.tokens.tolist()):
-                out[b] = row
+        for b, row in zip(self.active, rows):
+            out[b] = row
         return out
 
 
@@ -149,11 +152,6 @@ class LaunchedStep:
     host: HostCopy | None = None  # without MTP: the tokens, queued for the host
     logprobs: object = None  # sampler.StepLogprobs of the tokens, for the requests that ask (read with them)
     mtp: object = None  # an overlapped MTP step: engine.LaunchedMtp (its plan, verdict and proposals)
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """[R] the first input of every row: the token the step emitted last."""
-        return self.inputs[:, 0]
 
 
 def pending_inputs(seqs: Sequence[ScheduledSeq], prev: LaunchedStep | None) -> tuple[list[int], list[int]]:
