@@ -1,0 +1,91 @@
+"""Where an MTP step's time goes on the GPU: per engine step, the wall time, the GPU's busy time (the sum of its
+kernels' durations under torch.profiler) and the kernels that take most of it, MTP off vs k = 1.. at each
+concurrency. Busy time close to the wall time means the step is bound by the GPU's work (more rows, more experts
+read, the MTP layer); a gap means the GPU waits on the host.
+
+    python3 bench/mtp_step_gpu.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common import report, sync, table
+
+from dsv4 import LLM, SamplingParams
+from dsv4.builtin import heldout_prompts
+from dsv4.config import get_preset
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 48 else name[:45] + "..."
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="flash-L43-E16")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--append", default=None)
+    args = ap.parse_args()
+    most = max(args.concurrency)
+    if args.preset == "mini":  # the trained model: its held-out prompts (real acceptance)
+        prompts = None
+    else:
+        cfg = get_preset(args.preset)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(most)]
+    rows, tops = [], []
+    for k in args.ks:
+        llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.concurrency), max_num_tokens=4096,
+                  max_seq_len=1024, kv_cache_config={"free_gpu_memory_fraction": 0.2},
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+        eng = llm.engine
+        if prompts is None:
+            prompts = [llm._encode(p)[0] for p in heldout_prompts("mini")[:most]]
+        sp = SamplingParams(max_tokens=args.gen, ignore_eos=True, detokenize=False)
+        for c in args.concurrency:
+            llm.generate(prompts[:c], sp)  # untimed
+            for p in prompts[:c]:  # prefill outside the profile: only decode / verify steps are measured
+                eng.add_request(p, sp)
+            while any(r.num_computed < len(r.prompt_ids) for r in eng.requests.values() if not r.finished):
+                eng.step()
+            eng.reset_stats()
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                while eng.has_unfinished_requests():
+                    eng.step()
+                sync()
+                wall = time.perf_counter() - t0
+            steps = max(eng.num_steps, 1)
+            by_name: dict = collections.Counter()
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    by_name[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            busy = sum(by_name.values()) / 1e3 / steps  # us -> ms per step
+            rows.append([c, k or "off", steps, 1e3 * wall / steps, busy, f"{100 * busy / (1e3 * wall / steps):.0f}%"])
+            top = ", ".join(f"{_short(n)} {t / 1e3 / steps:.3f}" for n, t in by_name.most_common(args.top))
+            tops.append(f"- c={c} k={k or 'off'}: {top}")
+            eng.requests.clear()
+        del llm, eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    text = table(["concurrency", "k", "steps", "wall ms/step", "GPU busy ms/step", "busy"], rows)
+    report(f"MTP step on the GPU, {args.preset}, {args.gen} output tokens", text + "\n\n" + "\n".join(tops),
+           args.append, notes="Kernel time summed from torch.profiler (CUDA activity), prefill steps excluded;"
+                              " the list gives each step's largest kernels (ms per step).")
+
+
+if __name__ == "__main__":
+    main()
