@@ -1,7 +1,9 @@
 """MTP on vs off (k = 1, 2): output tok/s and acceptance. Random weights give near-zero acceptance, so a
 test-only drafter that replaces the MTP's drafts with the known greedy answer a given fraction of the time
 (``proposer.use_known_answers``: on the device, so MTP steps still overlap) shows what the mechanism buys at
-that acceptance. ``--sync`` adds each MTP row again with the overlap scheduler off, in the same run."""
+that acceptance. ``--sync`` adds each MTP row again with the overlap scheduler off, ``--separate`` with the
+separate CUDA graphs (target, MTP passes, acceptance eager between) instead of the whole-step graph, in the same
+run."""
 
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def main():
                          " reference holds at any concurrency")
     ap.add_argument("--sync", action="store_true",
                     help="also every MTP row with the overlap scheduler off (each step reads its own verdict)")
+    ap.add_argument("--separate", action="store_true",
+                    help="also each k > 0 with the separate graphs instead of the whole-step graph")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     if args.ks[0] != 0:
@@ -83,10 +87,15 @@ def main():
         for c in args.concurrency:
             batch = prompts[:c]
             drafters = [("MTP", None)] + ([] if k == 0 else [(f"oracle p={p}", p) for p in args.p_right])
-            modes = [(label, p, ov) for label, p in drafters for ov in ((True, False) if k and args.sync else (True,))]
-            for label, p, overlap in modes:
+            modes = [(label, p, ov, whole) for label, p in drafters
+                     for ov in ((True, False) if k and args.sync else (True,))
+                     for whole in ((True, False) if k and args.separate else (True,))]
+            graphs = llm.engine.runner.graphs
+            for label, p, overlap, whole in modes:
                 use_known_answers(llm.engine, ref[c] if p is not None else None, p or 0.0)
                 llm.engine.overlap_scheduler = overlap
+                if graphs is not None:
+                    graphs.whole_step = whole and k > 0
                 llm.engine.reset_stats()
                 t, out = timed(lambda llm=llm, batch=batch: llm.generate(batch, sp), repeat=args.repeat)
                 toks = [o.outputs[0].token_ids for o in out]
@@ -102,7 +111,8 @@ def main():
                        else _divergence_gap(ref_model, batch, [o for _, o in pairs], ref[c]))
                 st = llm.get_stats()["speculative"] or {}
                 speed = c * args.gen / t
-                rows.append([c, k, label if k else "off", "on" if overlap else "off", speed,
+                rows.append([c, k, label if k else "off", "on" if overlap else "off",
+                             ("whole" if whole else "separate") if k else "-", speed,
                              f"{speed / off_speed[c]:.2f}x",
                              f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                              f"{same:.3f}", first, gap])
@@ -111,7 +121,7 @@ def main():
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    text = table(["concurrency", "k", "drafts", "overlap", "output tok/s", "vs off", "acceptance", "mean accepted len",
+    text = table(["concurrency", "k", "drafts", "overlap", "step graph", "output tok/s", "vs off", "acceptance", "mean accepted len",
                   "tokens identical to MTP off", "first divergence",
                   "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))
     report(f"MTP on vs off, {args.preset}, {args.gen} output tokens"

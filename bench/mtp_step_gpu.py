@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--separate", action="store_true",
+                    help="also each k > 0 with the separate CUDA graphs instead of the whole-step graph")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     most = max(args.concurrency)
@@ -48,13 +50,16 @@ def main():
     rows, tops = [], []
     for k in args.ks:
         llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.concurrency), max_num_tokens=4096,
-                  max_seq_len=1024, kv_cache_config={"free_gpu_memory_fraction": 0.2},
+                  max_seq_len=1024, kv_cache_config={"free_gpu_memory_fraction": 0.2}, cuda_graph_config={"enable_padding": True},
                   speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
         eng = llm.engine
         if prompts is None:
             prompts = [llm._encode(p)[0] for p in heldout_prompts("mini")[:most]]
         sp = SamplingParams(max_tokens=args.gen, ignore_eos=True, detokenize=False)
-        for c in args.concurrency:
+        modes = [(c, w) for c in args.concurrency for w in ((True, False) if (k and args.separate) else (True,))]
+        for c, whole in modes:
+            if eng.runner.graphs is not None:
+                eng.runner.graphs.whole_step = whole and k > 0
             llm.generate(prompts[:c], sp)  # untimed
             for p in prompts[:c]:  # prefill outside the profile: only decode / verify steps are measured
                 eng.add_request(p, sp)
@@ -74,14 +79,14 @@ def main():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     by_name[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             busy = sum(by_name.values()) / 1e3 / steps  # us -> ms per step
-            rows.append([c, k or "off", steps, 1e3 * wall / steps, busy, f"{100 * busy / (1e3 * wall / steps):.0f}%"])
+            rows.append([c, k or "off", ("whole" if whole else "separate") if k else "-", steps, 1e3 * wall / steps, busy, f"{100 * busy / (1e3 * wall / steps):.0f}%"])
             top = ", ".join(f"{_short(n)} {t / 1e3 / steps:.3f}" for n, t in by_name.most_common(args.top))
-            tops.append(f"- c={c} k={k or 'off'}: {top}")
+            tops.append(f"- c={c} k={k or 'off'}{'' if whole or not k else ' separate graphs'}: {top}")
             eng.requests.clear()
         del llm, eng
         gc.collect()
         torch.cuda.empty_cache()
-    text = table(["concurrency", "k", "steps", "wall ms/step", "GPU busy ms/step", "busy"], rows)
+    text = table(["concurrency", "k", "step graph", "steps", "wall ms/step", "GPU busy ms/step", "busy"], rows)
     report(f"MTP step on the GPU, {args.preset}, {args.gen} output tokens", text + "\n\n" + "\n".join(tops),
            args.append, notes="Kernel time summed from torch.profiler (CUDA activity), prefill steps excluded;"
                               " the list gives each step's largest kernels (ms per step).")

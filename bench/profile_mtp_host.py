@@ -22,7 +22,7 @@ from dsv4.builtin import heldout_prompts
 
 def run(args, overlap: bool, prompts) -> tuple[float, int, str]:
     llm = LLM("mini", device=args.device, dtype=args.dtype, max_batch_size=args.concurrency, max_num_tokens=2048,
-              max_seq_len=1024, disable_overlap_scheduler=not overlap,
+              max_seq_len=1024, disable_overlap_scheduler=not overlap, cuda_graph_config={"enable_padding": True},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": args.k} if args.k else None)
     sp = SamplingParams(max_tokens=args.gen, ignore_eos=True, detokenize=False)
     llm.generate(prompts, sp)  # untimed
@@ -66,12 +66,13 @@ def main():
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--requests", type=int, default=None, help="held-out prompts (default: the concurrency)")
     ap.add_argument("--no-profile", action="store_true", help="time the calls only (no cProfile overhead)")
+    ap.add_argument("--overlap-only", action="store_true", help="only the overlap scheduler on, staging ring on")
     args = ap.parse_args()
     prompts = heldout_prompts("mini")[:args.requests or args.concurrency]
     real_ring = transfer._ring
     profiles = []
-    for overlap in (True, False):
-        for ring in (True, False):
+    for overlap in (True,) if args.overlap_only else (True, False):
+        for ring in (True,) if args.overlap_only else (True, False):
             transfer._ring = real_ring if ring else (lambda device: _NoRing())
             wall, calls, text = run(args, overlap, prompts)
             toks = args.gen * len(prompts)

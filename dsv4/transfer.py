@@ -92,6 +92,25 @@ class HostCopy:
             self._host, self._done = values, None
 
     def tolist(self) -> list:
+        return self._values().tolist()
+
+    def _values(self) -> torch.Tensor:
         if self._done is not None:
             self._done.synchronize()
-        return self._host.tolist()
+        return self._host
+
+    def part(self, start: int, stop: int, width: int | None = None) -> "HostPart":
+        """Elements ``start:stop`` of the (flattened) copy, read as rows of ``width`` when given: one copy to the
+        host serving several readers."""
+        return HostPart(self, start, stop, width)
+
+
+class HostPart:
+    """A slice of a ``HostCopy``; ``tolist`` waits for the whole copy."""
+
+    def __init__(self, whole: HostCopy, start: int, stop: int, width: int | None):
+        self.whole, self.start, self.stop, self.width = whole, start, stop, width
+
+    def tolist(self) -> list:
+        flat = self.whole._values().reshape(-1)[self.start:self.stop]
+        return (flat if self.width is None else flat.view(-1, self.width)).tolist()

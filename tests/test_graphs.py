@@ -33,11 +33,13 @@ def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k, kv, monkeyp
     llm = LLM("tiny", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]}, **kw)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and not graphs.capture
-    replayed, target = [], graphs.target
+    replayed, target, step = [], graphs.target, graphs.step
     graphs.target = lambda plan, ids: (replayed.append(plan), target(plan, ids))[1]
+    graphs.step = lambda plan, ids: (replayed.append(plan), step(plan, ids))[1]  # (MTP: the whole-step graph)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out == ref
     assert graphs.num_replays > 0  # 5 decoding requests padded to the 8 bucket
+    assert (graphs.num_whole_steps > 0) == (k > 0)
     assert selections and set(selections) == {3}
     # the graph expands its own copy of the per-row vector: no graphed step built its plan's tables
     assert replayed and not any("tables" in vars(p) for p in replayed)
@@ -72,6 +74,7 @@ def test_mtp_graphs_refuse_another_steps_tables_or_a_call_out_of_order(kernel_pa
               warmup=False, cuda_graph_config={"enable_padding": True, "batch_sizes": [2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 3})
     g = llm.engine.runner.graphs
+    g.whole_step = False  # (the separate graphs: their order is what is checked)
     plans, target = [], g.target
     g.target = lambda plan, ids: (plans.append(plan), target(plan, ids))[1]
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=10, ignore_eos=True))
@@ -92,3 +95,25 @@ def test_mtp_graphs_refuse_another_steps_tables_or_a_call_out_of_order(kernel_pa
     g.draft(old, 3, one, one)
     with pytest.raises(GraphOrderError, match="runs after draft2"):
         g.draft(old, 3, one, one)  # not twice
+
+
+def test_whole_step_graph_refuses_a_bucket_without_it_and_is_not_followed_by_mtp(kernel_path_on_cpu):
+    """After a whole-step replay the bucket's separate MTP graphs refuse to follow (their tables are the target
+    graph's); a plan with no whole-step graph is refused by name."""
+    from dsv4.engine.graphs import GraphOrderError
+
+    llm = LLM("tiny", max_batch_size=2, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              warmup=False, cuda_graph_config={"enable_padding": True, "batch_sizes": [2]},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    g = llm.engine.runner.graphs
+    plans, step = [], g.step
+    g.step = lambda plan, ids: (plans.append(plan), step(plan, ids))[1]
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert plans and g.num_whole_steps == len(plans)
+    last = plans[-1]
+    ids = torch.zeros(last.shape.tokens, dtype=torch.long)
+    with pytest.raises(GraphOrderError, match="runs after target"):
+        g.mtp(last, ids)
+    g.whole_step = False
+    with pytest.raises(GraphOrderError, match="no whole-step graph"):
+        step(last, ids)

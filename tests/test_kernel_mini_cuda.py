@@ -30,7 +30,8 @@ def reference(prompts):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mini_drafts_and_acceptance_on_cuda_equal_the_dense_reference(prompts, reference, k):
-    run = run_engine("mini", prompts, k, **CUDA)
+    # (the separate graphs, whose every proposal is recorded; the whole-step graph is checked against them below)
+    run = run_engine("mini", prompts, k, whole_step=False, **CUDA)
     assert run.outputs == reference.outputs
     run.model = reference.model
     c = check_drafts(run)
@@ -50,3 +51,28 @@ def test_mini_overlapped_mtp_equals_sync_on_cuda(prompts, reference, k):
     sync = run_engine("mini", prompts, k, disable_overlap_scheduler=True, **CUDA)
     assert over.outputs == sync.outputs == reference.outputs
     assert over.stats == sync.stats and over.stats["num_accepted_tokens"] > 0
+
+
+def _draft_trace(trace):
+    def after_step(eng, steps):
+        trace.append({r: (tuple(q.drafts), len(q.output_ids)) for r, q in eng.requests.items()})
+    return after_step
+
+
+@pytest.mark.parametrize("k,dtype", [(1, "fp32"), (3, "fp32"), (2, "bf16")])
+def test_mini_whole_step_graph_equals_separate_graphs_on_cuda(prompts, reference, k, dtype):
+    """The whole-step graph (verify, greedy acceptance, the k draft passes captured as one) against the separate
+    graphs with acceptance between them, on the GPU: the same tokens, the same drafts after every step and the
+    same acceptance, in fp32 (both equal MTP off) and in bf16 (the same kernels on the same shapes)."""
+    runs, traces = [], []
+    for whole in (False, True):
+        trace: list = []
+        runs.append(run_engine("mini", prompts, k, whole_step=whole, after_step=_draft_trace(trace), dtype=dtype,
+                               **CUDA))
+        traces.append(trace)
+    assert runs[0].outputs == runs[1].outputs
+    if dtype == "fp32":
+        assert runs[1].outputs == reference.outputs
+    assert traces[0] == traces[1]
+    assert runs[0].stats == runs[1].stats and runs[1].stats["num_accepted_tokens"] > 0
+    assert runs[0].whole_steps == 0 and runs[1].whole_steps > 0

@@ -68,7 +68,8 @@ def _llm(model: str, k: int = 0, **kw) -> LLM:
     kw.setdefault("max_num_tokens", MAX_NUM_TOKENS)
     kw.setdefault("max_seq_len", MAX_SEQ_LEN)
     kw.setdefault("kv_cache_config", {"max_tokens": 4096})
-    return LLM(model, dtype="fp32", warmup=False, speculative_config=MTP(k) if k else None, **kw)
+    kw.setdefault("dtype", "fp32")
+    return LLM(model, warmup=False, speculative_config=MTP(k) if k else None, **kw)
 
 
 def prompt_lengths(cfg) -> list[int]:
@@ -137,6 +138,7 @@ class Run:
     model: object = None
     partial_chunks: int = 0  # prefill chunks that did not reach the end of their prompt
     device_verdicts: int = 0  # steps whose drafts were launched from acceptance still on the device
+    whole_steps: int = 0  # steps that ran as one CUDA graph (verify, acceptance and drafts)
     pending: list = field(default_factory=list)  # what ``capture`` saw in the step now running
 
     def flush(self) -> None:
@@ -192,16 +194,20 @@ def _record(run: Run, seqs, plan, num_accepted, drafting, drafts, logits) -> Non
 
 
 def run_engine(model: str, prompts, k: int, *, answers=None, seed: int = 0, after_step=None, patches=(),
-               **llm_kw) -> Run:
+               whole_step: bool | None = None, **llm_kw) -> Run:
     """Generate greedily with MTP k (k = 0: off), chunked prefill, the cache's integrity check after every
     step; record every proposal and verify. ``answers`` (prompt -> MTP off's output): a known-answer drafter
     replaces 60% of the drafts by the answer (``proposer.use_known_answers``; MTP steps still overlap).
+    ``whole_step`` False: CUDA graph buckets replay the separate graphs (target, MTP passes), so that every
+    proposal goes through ``runner.propose`` and is recorded (a whole-step graph's drafts are not).
     ``llm_kw`` go to ``LLM`` (e.g. device="cuda")."""
     with pytest.MonkeyPatch.context() as mp:
         for obj, name, value in patches:
             mp.setattr(obj, name, value)
         llm = _llm(model, k, **llm_kw)
         eng = llm.engine
+        if whole_step is not None and eng.runner.graphs is not None:
+            eng.runner.graphs.whole_step = whole_step
         run = Run([list(p) for p in prompts], [], [], model=llm.model)
         if k:
             capture(eng, run)
@@ -220,6 +226,7 @@ def run_engine(model: str, prompts, k: int, *, answers=None, seed: int = 0, afte
         assert eng.cache.num_free_blocks == eng.cache.num_blocks
         eng.cache.check_integrity()
         run.stats = llm.get_stats()["speculative"]
+        run.whole_steps = eng.runner.graphs.num_whole_steps if eng.runner.graphs is not None else 0
     return run
 
 

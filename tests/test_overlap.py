@@ -111,7 +111,7 @@ def test_a_failing_step_ends_its_requests_and_the_overlapped_ones(monkeypatch):
         eng.step()
     assert eng._pending is not None
     real = eng.runner.forward
-    monkeypatch.setattr(eng.runner, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("device fault")))
+    monkeypatch.setattr(eng.runner, "forward", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device fault")))
     with pytest.raises(RuntimeError, match="device fault"):
         eng.step()
     assert all(r.finish_reason == "error" and r.finished for r in reqs)

@@ -210,3 +210,69 @@ def test_overlapped_mtp_on_the_graph_buffers_equals_sync(answers, overlapped_mtp
         assert llm.engine.runner.graphs.num_replays > 0
     assert runs[0][0] == runs[1][0] and runs[0][1]["speculative"] == runs[1][1]["speculative"]
     assert sum(overlapped_mtp) > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_whole_step_graph_equals_separate_graphs(answers, overlap, monkeypatch):
+    """The whole-step graph (target pass, greedy acceptance and the k draft passes in one) against the separate
+    graphs with acceptance eager between them, on the graphs' static buffers on the CPU: the same tokens, the
+    same MTP drafts after every step (the model's own, not rewritten), the same acceptance with known-answer
+    drafts, overlapped or not; sampled and logprob requests in the batch take the separate graphs."""
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    prompts, lengths = _workload(7, 23)
+    ans = answers(prompts, lengths)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    params[3] = SamplingParams(max_tokens=lengths[3], ignore_eos=True, logprobs=1)
+    params[5] = SamplingParams(max_tokens=lengths[5], temperature=0.9, seed=3, ignore_eos=True)
+    runs, traces, whole = [], [], []
+    for on in (False, True):
+        llm = _llm(overlap, 3, cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]})
+        graphs = llm.engine.runner.graphs
+        graphs.whole_step = on
+        eng, trace = llm.engine, []
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append([(tuple(eng.requests[r].drafts), list(eng.requests[r].output_ids)) for r in rids])
+        traces.append(trace)
+        n = graphs.num_whole_steps
+        runs.append(_run(llm, prompts, params, ans, 0.7))
+        whole.append(graphs.num_whole_steps - n)
+    assert whole[0] == 0 and whole[1] > 5
+    assert traces[0] == traces[1] and any(d for step in traces[0] for d, _ in step)
+    assert runs[0][0] == runs[1][0] and runs[0][1]["speculative"] == runs[1][1]["speculative"]
+    assert runs[1][1]["speculative"]["num_accepted_tokens"] > 0
+
+
+def test_uniform_acceptance_equals_accept_on_device():
+    """``spec.accept_uniform`` and ``runner.uniform_draft_inputs`` (a whole-step graph's static shapes) against
+    ``accept_on_device`` and ``device_draft_inputs`` on random verdicts: the same accepted drafts, bonus tokens,
+    checked drafts, catch-up inputs, draft rows and committed lengths."""
+    import torch
+
+    from dsv4.engine.request import Request
+    from dsv4.engine.runner import device_draft_inputs, uniform_draft_inputs
+    from dsv4.engine.scheduler import ScheduledSeq
+    from dsv4.engine.spec import accept_on_device, accept_uniform
+
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 2, 3):
+        for B in (1, 3, 5):
+            V = 6  # a small vocabulary: drafts often match
+            ids = torch.randint(0, V, (B * (k + 1),), generator=g)
+            logits = torch.randn(B * (k + 1), V, generator=g)
+            seqs = [ScheduledSeq(Request(f"r{b}", [1, 2, 3], SamplingParams(max_tokens=8)),
+                                 tuple(ids[b * (k + 1):(b + 1) * (k + 1)].tolist()), True,
+                                 tuple(ids[b * (k + 1) + 1:(b + 1) * (k + 1)].tolist())) for b in range(B)]
+            want = accept_on_device(seqs, logits, ids)
+            a, last, checks = accept_uniform(logits.argmax(-1), ids, B, k)
+            assert torch.equal(a, want.accepted_drafts) and torch.equal(1 + a, want.accepted_rows)
+            assert torch.equal(last, want.last_ids)
+            ids_host, rows_host, checked = want.read_all()
+            assert checks[:, :k].tolist() == checked
+            C = torch.randint(3, 50, (B,), generator=g)
+            inp = device_draft_inputs(seqs, [0] * B, want, [True] * B, computed=C)
+            got = uniform_draft_inputs(logits.argmax(-1).view(B, k + 1), a, C)
+            for x, y in ((got.next_ids, inp.next_ids), (got.picks, inp.picks), (got.new_lens, inp.new_lens)):
+                assert torch.equal(x, y)
+            assert got.active == inp.active

@@ -28,7 +28,8 @@ from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import StepLogprobs, greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
-from .spec import DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled
+from .spec import (DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled,
+                   verdict_of_step_graph)
 
 log = logging.getLogger("dsv4")
 
@@ -139,7 +140,7 @@ class LLMEngine:
         done: tuple[list, list] = ([], [])
         launched, committed = None, False
         try:
-            target = self.runner.forward(seqs, plan, prev)
+            target = self.runner.forward(seqs, plan, prev, whole_step=self._whole_step(seqs, plan))
             if self._overlaps(seqs):
                 launched = self._launch_mtp(seqs, plan, target) if mtp else self._launch(seqs, target)
                 # the rows every outcome keeps (an MTP step's accepted drafts settle when they are read back)
@@ -211,6 +212,22 @@ class LLMEngine:
         """Leave this step's tokens on the device (a step that samples nothing has none)."""
         return self.overlaps_steps and any(s.sample for s in seqs)
 
+    def _whole_step(self, seqs: list[ScheduledSeq], plan) -> bool:
+        """Run the step as one CUDA graph (target pass, acceptance, the MTP drafts): an MTP step whose verdict
+        stays on the device, every seq sampling greedily with the full draft length, a proposer whose drafts
+        are the MTP layer's, a bucket with the graph."""
+        k = self.draft_len
+        return (k > 0 and self.proposer is not None and self.proposer.in_step_graph
+                and self.runner.has_step_graph(plan)
+                and (self._overlaps(seqs) or self._verifies_on_device(seqs))
+                and all(s.sample and s.request.params.greedy and len(s.drafts) == k for s in seqs))
+
+    def _verdict(self, seqs: list[ScheduledSeq], target: TargetOutput) -> DeviceVerdict:
+        """The step's acceptance on the device: computed with the step's graph, or now."""
+        if target.step is not None:
+            return verdict_of_step_graph(target.step, len(seqs), self.draft_len)
+        return accept_on_device(seqs, target.all_rows(), target.inputs)
+
     def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
         """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
         request's generator, as the synchronous step draws them) and queued for the host, their logprobs
@@ -247,7 +264,7 @@ class LLMEngine:
         step's own inputs), the proposer's drafts from it, and the next step's inputs (the token after the
         accepted drafts, then the new drafts), all queued for the host, which reads them in the next call."""
         rows = target.all_rows()
-        verdict = accept_on_device(seqs, rows, target.inputs)
+        verdict = self._verdict(seqs, target)
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
         proposals = self.proposer.propose_on_device(seqs, plan, target, verdict)
@@ -256,7 +273,10 @@ class LLMEngine:
         drafts = proposals.drafts
         if drafts.active != tuple(sampled):
             raise RuntimeError(f"the proposer drafted for seqs {drafts.active}, the step samples {sampled}")
-        inputs = torch.cat([bonus[:, None], drafts.tokens], 1) if drafts.tokens is not None else bonus[:, None]
+        if target.step is not None and drafts.tokens is not None and drafts.tokens.data_ptr() == target.step.drafts.data_ptr():
+            inputs = target.step.inputs[:len(seqs)]  # (the graph's drafts as they are: it built the inputs too)
+        else:
+            inputs = torch.cat([bonus[:, None], drafts.tokens], 1) if drafts.tokens is not None else bonus[:, None]
         for b in sampled:
             req = seqs[b].request
             req.inflight = InFlight(plan.step_id, len(seqs[b].drafts), inputs.shape[1] - 1)
@@ -354,7 +374,7 @@ class LLMEngine:
         counts read back (queued before the passes, so the read waits for nothing more than the drafts' own
         read did). The host checks a greedy seq's count against ``accept_greedy`` on the same argmax."""
         rows = target.all_rows()
-        verdict = accept_on_device(seqs, rows, target.inputs)
+        verdict = self._verdict(seqs, target)
         # the logprobs of every verify row's argmax, queued before the drafts; the accepted rows' are kept
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])

@@ -21,13 +21,42 @@ bucket remembers which plan it holds and which of that step's graphs have run: `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..cache.plan import DraftTables, PlanShape, expand_rows, padded_shape
+from ..transfer import HostCopy
 from .cuda_backend import CudaBackend
 from .resolved import GraphSpec
+from .sampler import greedy_tokens
+from .spec import accept_uniform
+
+
+@dataclass(frozen=True)
+class StepGraphOut:
+    """What a bucket's whole-step graph leaves (static tensors, overwritten by its next replay): the target
+    pass, the greedy verdict of every row (``spec.accept_uniform``), the MTP drafts from it, and the next
+    step's inputs. ``packed`` = target ids [N] | accepted rows [B] | checked drafts [N] | drafts [B * k], the
+    one tensor copied to the host (``host``, queued right after each replay)."""
+
+    streams: torch.Tensor  # [N, n, d]
+    logits: torch.Tensor  # [N, V]
+    target_ids: torch.Tensor  # [N] the target's argmax at every row
+    accepted_drafts: torch.Tensor  # [B]
+    accepted_rows: torch.Tensor  # [B] 1 + accepted drafts
+    last_ids: torch.Tensor  # [B] the token each row emits last (the bonus)
+    drafts: torch.Tensor  # [B, k] the next step's drafts
+    new_lens: torch.Tensor  # [B] committed length after acceptance (C + accepted rows)
+    inputs: torch.Tensor  # [B, 1 + k] the next step's inputs: the bonus token, then the drafts
+    packed: torch.Tensor
+    host: HostCopy | None = None
+
+    def drafts_host(self, num_seqs: int):
+        """The first ``num_seqs`` rows' drafts, read from ``host`` (as ``HostCopy.tolist`` would give them)."""
+        N, B = self.target_ids.shape[0], self.accepted_rows.shape[0]
+        k = self.drafts.shape[1]
+        return self.host.part(2 * N + B, 2 * N + B + num_seqs * k, k)
 
 
 class GraphOrderError(RuntimeError):
@@ -50,19 +79,24 @@ class _Bucket:
     draft_in: torch.Tensor | None = None  # [B, n, d] streams feeding draft step 2
     graphs: dict = field(default_factory=dict)
     plan: object = None  # the step whose tables and outputs the bucket holds (set by target)
+    step_out: StepGraphOut | None = None  # the whole-step graph's outputs
     ran: list = field(default_factory=list)  # the graphs that step has run, in order
 
 
 class GraphRunner:
-    def __init__(self, model, storage, spec: GraphSpec, capture: bool):
+    def __init__(self, model, storage, spec: GraphSpec, capture: bool, whole_step: bool = True):
         self.model, self.storage = model, storage
         self.rows, self.enable_padding = spec.rows_per_seq, spec.enable_padding
         self.buckets = sorted(spec.buckets)
         self.max_entries, self.max_blocks = spec.max_entries, spec.max_blocks
         self.with_mtp, self.capture, self.draft_len = spec.with_mtp, capture, spec.draft_len
+        # with MTP, one graph per bucket for a whole greedy step (verify, accept, the k draft passes); set
+        # False to replay the separate graphs (target, MTP catch-up, draft j) with acceptance eager between
+        self.whole_step = spec.with_mtp and whole_step
         self._b: dict[int, _Bucket] = {}
         self.pool = None
         self.num_replays = 0
+        self.num_whole_steps = 0  # replays of the whole-step graph (counted in num_replays too)
         self.released = False
 
     # ---- which steps -------------------------------------------------------------------------------
@@ -98,25 +132,64 @@ class GraphRunner:
     def _backend(self, t) -> CudaBackend:
         return CudaBackend.for_step(t, self.storage, self._swa_base)
 
-    def _target(self, bk: _Bucket):
+    def _forward(self, bk: _Bucket):
+        """-> (tables, streams, logits) of the target pass on the bucket's static inputs."""
         st = self.storage
-        bk.tables = expand_rows(st.layout, bk.shape, bk.rows, st.num_slots)
-        X = self.model.streams(bk.ids, self._backend(bk.tables))
-        return X, self.model.logits_from_streams(X)
+        tables = expand_rows(st.layout, bk.shape, bk.rows, st.num_slots)
+        X = self.model.streams(bk.ids, self._backend(tables))
+        return tables, X, self.model.logits_from_streams(X)
+
+    def _target(self, bk: _Bucket):
+        bk.tables, X, logits = self._forward(bk)
+        return X, logits
+
+    def _mtp_pass(self, tables, X, next_ids):
+        X = self.model.mtp_streams(X, next_ids, self._backend(tables))
+        return X, self.model.mtp_logits_from_streams(X)
 
     def _mtp(self, bk: _Bucket):
-        X = self.model.mtp_streams(bk.target_out[0], bk.next_ids, self._backend(bk.tables))
+        return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids)
+
+    def _draft_pass(self, t, j: int, new_lens, X_in, ids):
+        """Draft step j >= 2 on the tables ``t`` of the step: one token per request, its tables computed on the
+        device from ``new_lens``."""
+        lay = self.storage.layout
+        tables = DraftTables(slots=t.slots, draft_lens=t.draft_lens, max_draft_len=self.draft_len,
+                             window=lay.window, swa_cap=lay.swa_cap, swa_step_base=self._swa_base)
+        st = tables.step_tables(j, new_lens)
+        X = self.model.mtp_streams(X_in, ids, CudaBackend.for_draft(st, self.storage, self._swa_base))
         return X, self.model.mtp_logits_from_streams(X)
 
     def _draft(self, bk: _Bucket, j: int):
-        """Draft step j >= 2: one token per request, tables computed on the device from the static inputs."""
-        t, lay = bk.tables, self.storage.layout
-        tables = DraftTables(slots=t.slots, draft_lens=t.draft_lens, max_draft_len=self.draft_len,
-                             window=lay.window, swa_cap=lay.swa_cap, swa_step_base=self._swa_base)
-        st = tables.step_tables(j, bk.new_lens)
         X_in = bk.draft_in if j == 2 else bk.draft_out[j - 1][0]
-        X = self.model.mtp_streams(X_in, bk.draft_ids[j], CudaBackend.for_draft(st, self.storage, self._swa_base))
-        return X, self.model.mtp_logits_from_streams(X)
+        return self._draft_pass(bk.tables, j, bk.new_lens, X_in, bk.draft_ids[j])
+
+    def _step(self, bk: _Bucket) -> StepGraphOut:
+        """A whole greedy MTP step on the bucket's static inputs, as the separate graphs with acceptance between
+        them compute it (``spec.accept_on_device`` and ``runner.device_draft_inputs`` on these shapes: every
+        batch row verifies k drafts; the same kernels on the same shapes, so the same numbers): the target
+        pass, each row's accepted drafts, the MTP catch-up pass over the accepted rows (later rows get input 0:
+        their writes are rolled back), draft 1 from the row of each request's newest committed position,
+        draft passes 2..k. Padded batch rows (no drafts) feed zeros to the draft passes, as there."""
+        from .runner import uniform_draft_inputs
+
+        tables, X, logits = self._forward(bk)
+        B, k = bk.batch, self.draft_len
+        G = greedy_tokens(logits)
+        a, last, checks = accept_uniform(G, bk.ids, B, k)
+        inp = uniform_draft_inputs(G.view(-1, k + 1)[:B], a, tables.computed_lens)
+        X_mtp, mtp_logits = self._mtp_pass(tables, X, inp.next_ids)
+        live = tables.draft_lens > 0
+        tok = torch.where(live, greedy_tokens(mtp_logits[inp.picks]), 0)
+        X_prev = torch.where(live[:, None, None], X_mtp[inp.picks], 0)
+        drafts = [tok]
+        for j in range(2, k + 1):
+            X_prev, lg = self._draft_pass(tables, j, inp.new_lens, X_prev, drafts[-1])
+            drafts.append(torch.where(live, greedy_tokens(lg), 0))
+        D = torch.stack(drafts, 1)
+        rows = 1 + a
+        packed = torch.cat([G, rows, checks.reshape(-1), D.reshape(-1)])
+        return StepGraphOut(X, logits, G, a, rows, last, D, inp.new_lens, torch.cat([last[:, None], D], 1), packed)
 
     def _run(self, bk: _Bucket, name: str, fn):
         """Replay the captured graph ``name`` (or run ``fn`` eagerly on the static buffers)."""
@@ -143,6 +216,8 @@ class GraphRunner:
                 steps.append(("mtp", lambda: self._mtp(bk), "mtp_out"))
                 for j in range(2, self.draft_len + 1):
                     steps.append((f"draft{j}", (lambda j=j: self._draft(bk, j)), j))
+            if self.whole_step:
+                steps.append(("step", lambda: self._step(bk), "step_out"))
             for name, fn, slot in steps:  # eager first: the static outputs exist, kernels are loaded
                 self._store(bk, slot, fn())
             if not self.capture:
@@ -190,6 +265,27 @@ class GraphRunner:
             bk.target_out = out
         return bk.target_out
 
+    def has_step(self, plan) -> bool:
+        """Whether ``plan``'s bucket has a whole-step graph (``whole_step``)."""
+        return self.whole_step and self.matches(plan)
+
+    @torch.no_grad()
+    def step(self, plan, ids: torch.Tensor) -> StepGraphOut:
+        """The whole-step graph of ``plan``'s bucket (see ``_step``); its packed outputs queued for the host.
+        The separate MTP graphs do not follow it (the bucket's tables are the target graph's)."""
+        if not self.has_step(plan):
+            raise GraphOrderError(f"step: no whole-step graph for batch {plan.shape.batch}")
+        bk = self._b[plan.shape.batch]
+        bk.plan, bk.ran = plan, ["step"]
+        bk.rows.copy_(plan.rows)
+        bk.ids.copy_(ids)
+        self.num_replays += 1
+        self.num_whole_steps += 1
+        out = self._run(bk, "step", lambda: self._step(bk))
+        if out is not None:
+            bk.step_out = out
+        return replace(bk.step_out, host=HostCopy(bk.step_out.packed))
+
     @torch.no_grad()
     def mtp(self, plan, next_ids: torch.Tensor):
         """The MTP catch-up pass of the same step (tables already loaded by ``target``)."""
@@ -234,8 +330,10 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
     inside them) line up, largest bucket first."""
     if spec is None or not runner.use_kernels:
         return None
+    # (the whole-step graph only where acceptance stays on the device: not on the multi-rank driver or its ranks)
     runner.graphs = GraphRunner(runner.model, runner.storage, spec,
-                                capture=capture and runner.storage.device.type == "cuda")
+                                capture=capture and runner.storage.device.type == "cuda",
+                                whole_step=runner.whole_step_graphs)
     with runner.pass_context():  # captured under the same GEMM row counts as the eager passes
         runner.graphs.prepare()
     return runner.graphs

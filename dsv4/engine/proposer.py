@@ -65,6 +65,9 @@ class Proposer:
     draft_len: int
     drafts_from_device: bool = False
     overlaps: bool = False
+    # the drafts are the model's MTP passes with greedy choice, so the runner may compute them in the step's
+    # own CUDA graph (``ModelRunner.has_step_graph``); ``propose`` then takes them from ``target.step``
+    in_step_graph: bool = False
 
     def propose(self, seqs: list[ScheduledSeq], plan, target, accepted, drafting: list[bool]) -> list[Proposal | None]:
         """The drafts of every seq with ``drafting`` set (None for the others), after this step's target pass
@@ -95,15 +98,26 @@ class MtpProposer(Proposer):
         return self.runner.drafts_from_device
 
     overlaps = drafts_from_device
+    in_step_graph = True
 
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:
+        if target.step is not None:
+            tokens = self._from_step_graph(seqs, target).read()
+            return [Proposal(tuple(t)) for t in tokens]
         drafts, probs = self._draft(seqs, plan, target, accepted, drafting)
         tokens = drafts.tolist()
         return [Proposal(tuple(tokens[b]), probs.get(b)) if drafting[b] else None for b in range(len(seqs))]
 
     def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
+        if target.step is not None:
+            return self._from_step_graph(seqs, target)
         drafts, probs = self._draft(seqs, plan, target, verdict, [s.sample for s in seqs])
         return DeviceProposals.of(drafts, probs)
+
+    def _from_step_graph(self, seqs, target) -> DeviceProposals:
+        """The drafts the step's graph computed (every seq samples greedily), read from its one host copy."""
+        return DeviceProposals(self.runner.step_graph_drafts(target, len(seqs)), {},
+                               target.step.drafts_host(len(seqs)))
 
     def _draft(self, seqs, plan, target, accepted, drafting) -> tuple[DraftTokens, dict]:
         probs: dict[int, list[torch.Tensor]] = {}
@@ -170,6 +184,10 @@ class KnownAnswerProposer(Proposer):
     @property
     def overlaps(self) -> bool:
         return self.inner.overlaps
+
+    @property
+    def in_step_graph(self) -> bool:
+        return self.inner.in_step_graph
 
     def _right(self, key, index):  # (python ints or int64 tensors alike)
         return (key * 1000003 + index * 7919 + self.seed * 104729) % 1009 < round(self.p_right * 1009)

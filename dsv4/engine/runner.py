@@ -107,6 +107,18 @@ def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int
     return DraftInputs(next_ids, starts_t + rows - 1, C_t + rows, tuple(b for b in range(B) if drafting[b]))
 
 
+def uniform_draft_inputs(target: torch.Tensor, accepted: torch.Tensor, computed: torch.Tensor) -> DraftInputs:
+    """``device_draft_inputs`` on static shapes (a CUDA graph's), where every batch row's k+1 step rows are all
+    verify rows: ``target`` [B, k+1] the argmax at each, ``accepted`` [B] its accepted drafts a, ``computed``
+    [B] its C. Row j's catch-up input is target j when j <= a, else 0; draft 1 comes from row a; the committed
+    length is C + 1 + a. Every row drafts."""
+    B, k1 = target.shape
+    j = torch.arange(k1, device=target.device)
+    next_ids = torch.where(j[None, :] <= accepted[:, None], target, 0).reshape(-1)
+    picks = torch.arange(B, device=target.device) * k1 + accepted
+    return DraftInputs(next_ids, picks, computed[:B] + 1 + accepted, tuple(range(B)))
+
+
 def draft_inputs_for(seqs, plan, accepted: Sequence[int] | DeviceVerdict, drafting) -> DraftInputs:
     """The MTP inputs of ``plan``'s step from host accepted counts or from a verdict on the device (which reads
     each seq's C from the plan's C column on the device: a request's may be known only there)."""
@@ -184,6 +196,7 @@ class TargetOutput:
     logits: list[torch.Tensor | None]  # per seq: [rows, V] at its sampled / verify rows, None if not sampled
     rows: torch.Tensor | None = None  # the same rows as one [R, V] tensor, seqs in order (None: not at hand)
     inputs: torch.Tensor | None = None  # [N_pad] the step's input ids on the device (pending ones filled in)
+    step: object = None  # graphs.StepGraphOut: the step ran as one graph (verdict and drafts computed with it)
 
     def all_rows(self) -> torch.Tensor:
         """Every sampled / verify row of the step as one [R, V] tensor, seqs in order (``rows``, or the
@@ -194,6 +207,7 @@ class TargetOutput:
 class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
     drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
+    whole_step_graphs = True  # with MTP, a graph bucket also captures the whole greedy step (graphs.StepGraphOut)
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
                  batch_invariant: bool = False):
@@ -222,6 +236,11 @@ class ModelRunner:
 
     def _graphed(self, plan) -> bool:
         return self.graphs is not None and self.graphs.matches(plan)
+
+    def has_step_graph(self, plan) -> bool:
+        """Whether ``plan``'s step can run as one graph: target pass, greedy acceptance and the MTP drafts
+        (``forward(whole_step=True)``; every seq must sample greedily with the full draft length)."""
+        return self.graphs is not None and self.graphs.has_step(plan)
 
     def _backend(self, plan):
         if self.use_kernels and max(plan.num_new) <= self.max_step_rows:
@@ -256,11 +275,12 @@ class ModelRunner:
         with self.pass_context():
             return self._run_target(plan, token_ids, logit_rows, graphed, pending)[:2]
 
-    def _run_target(self, plan, token_ids, logit_rows, graphed, pending):
+    def _run_target(self, plan, token_ids, logit_rows, graphed, pending, whole_step=False):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None, the input ids [N_pad] on the
-        device). ``graphed``: replay the plan's CUDA graph bucket (or run its static buffers eagerly when not
-        capturing). ``pending``: (step positions, indices into ``values``, ``values``: a device tensor) of the
-        inputs that are still on the device (PENDING in ``token_ids``)."""
+        device, the whole-step graph's outputs or None). ``graphed``: replay the plan's CUDA graph bucket (or run
+        its static buffers eagerly when not capturing). ``pending``: (step positions, indices into ``values``,
+        ``values``: a device tensor) of the inputs that are still on the device (PENDING in ``token_ids``).
+        ``whole_step``: replay the bucket's whole-step graph (every step row is a logit row)."""
         ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
         # one copy for the logit rows and the pending inputs' (positions, flat indices into ``pending[2]``)
         dst, src, values = pending if pending else ((), (), None)
@@ -269,6 +289,11 @@ class ModelRunner:
         if P:
             ids[t[R:R + P]] = values[t[R + P:]]
         idx = t[:R] if R else None
+        if whole_step:
+            if tuple(logit_rows) != tuple(range(plan.num_tokens)):
+                raise RuntimeError(f"step {plan.step_id}: a whole-step graph samples every row of the step")
+            out = self.graphs.step(plan, ids)
+            return out.streams, out.logits[:R], ids, out
         if graphed:
             self._check_graphed(plan)
             X, all_logits = self.graphs.target(plan, ids)
@@ -277,7 +302,7 @@ class ModelRunner:
         logits = None
         if idx is not None:
             logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
-        return X, logits, ids
+        return X, logits, ids, None
 
     def _check_graphed(self, plan):
         if self.graphs is None or not self.graphs.matches(plan):
@@ -340,19 +365,27 @@ class ModelRunner:
 
     # ---- the engine's calls ------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, seqs: list[ScheduledSeq], plan, prev: LaunchedStep | None = None) -> TargetOutput:
+    def forward(self, seqs: list[ScheduledSeq], plan, prev: LaunchedStep | None = None,
+                whole_step: bool = False) -> TargetOutput:
         """The target pass over the step. ``prev``: the overlapped step still running, whose tokens are the
-        inputs this step's requests have as PENDING."""
+        inputs this step's requests have as PENDING. ``whole_step`` (``has_step_graph``): the greedy verdict
+        and the MTP drafts are computed with it, in one graph (``TargetOutput.step``)."""
         ids, rows, counts = target_inputs(seqs)
         dst, src = pending_inputs(seqs, prev)
         pending = (dst, src, prev.inputs.reshape(-1)) if dst else None
         with self.pass_context():
-            X, logits, inputs = self._run_target(plan, ids, rows, self._graphed(plan), pending)
+            X, logits, inputs, step = self._run_target(plan, ids, rows, self._graphed(plan), pending, whole_step)
         per_seq, off = [], 0
         for c in counts:
             per_seq.append(logits[off:off + c] if c else None)
             off += c
-        return TargetOutput(X, per_seq, logits, inputs)
+        return TargetOutput(X, per_seq, logits, inputs, step)
+
+    @staticmethod
+    def step_graph_drafts(target: TargetOutput, num_seqs: int) -> DraftTokens:
+        """The MTP drafts a whole-step graph computed (every seq of the step drafts)."""
+        out = target.step
+        return DraftTokens(num_seqs, tuple(range(num_seqs)), out.drafts[:num_seqs], out.new_lens[:num_seqs])
 
     @torch.no_grad()
     def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,

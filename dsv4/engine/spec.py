@@ -70,6 +70,9 @@ class DeviceVerdict:
     rows_per_seq: tuple[int, ...]  # verify rows of each seq (0: samples nothing)
     host: HostCopy  # target_ids, accepted_rows, then the drafts each verify row checked, on their way to the host
     last_ids: torch.Tensor  # [S] per seq that samples, in order: the token it emits last (after its accepted drafts)
+    # where accepted_rows and the checked drafts start in ``host`` (None: right after the R target ids, then B
+    # rows later); a step graph's copy holds its padded rows too
+    offsets: tuple[int, int] | None = None
 
     def read(self) -> tuple[list[list[int]], list[int]]:
         """(each seq's target argmax rows, each seq's accepted rows) on the host; waits for the copy only."""
@@ -80,13 +83,13 @@ class DeviceVerdict:
         """``read`` and each seq's drafts, as the device verified them (what the step's inputs held)."""
         flat = self.host.tolist()
         B = len(self.rows_per_seq)
-        R = (len(flat) - B) // 2
+        at_rows, at_checks = self.offsets or (sum(self.rows_per_seq), sum(self.rows_per_seq) + B)
         ids, drafts, off = [], [], 0
         for n in self.rows_per_seq:
             ids.append(flat[off:off + n])
-            drafts.append(flat[R + B + off:R + B + off + n - 1] if n else [])
+            drafts.append(flat[at_checks + off:at_checks + off + n - 1] if n else [])
             off += n
-        return ids, flat[R:R + B], drafts
+        return ids, flat[at_rows:at_rows + B], drafts
 
 
 def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor | None = None) -> DeviceVerdict:
@@ -141,6 +144,30 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
         off += n
     rows = kept + a
     return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows, chk])), G[first_t + a[sampled_t]])
+
+
+def accept_uniform(G: torch.Tensor, ids: torch.Tensor, batch: int, k: int) -> tuple[torch.Tensor, ...]:
+    """``accept_on_device`` for greedy seqs on static shapes (a CUDA graph's): ``batch`` rows, each verifying k
+    drafts in k+1 step rows laid out one after another (``G`` [>= batch*(k+1)] the target's argmax at every
+    step row, ``ids`` the step's inputs: a row's token, then its k drafts). No host list, no host read.
+    Returns (accepted drafts a [B], the token each row emits last [B] (its argmax at row a), checks [B, k+1]:
+    the draft each verify row checked, -1 at the last). Padded batch rows get values that nothing reads."""
+    k1 = k + 1
+    g = G[:batch * k1].view(batch, k1)
+    checks = torch.cat([ids[:batch * k1].view(batch, k1)[:, 1:], ids.new_full((batch, 1), -1)], 1)
+    a = (g[:, :k] == checks[:, :k]).long().cumprod(1).sum(1)
+    return a, g.gather(1, a[:, None])[:, 0], checks
+
+
+def verdict_of_step_graph(out, num_seqs: int, k: int) -> DeviceVerdict:
+    """The ``DeviceVerdict`` of a step that verified in one CUDA graph (``graphs.StepGraphOut``: its
+    ``accept_uniform`` on the padded bucket), for its first ``num_seqs`` rows: every one samples greedily with
+    k drafts. The graph packed the target ids, accepted rows and checked drafts in ``out.packed``; one copy to
+    the host carries them (and the drafts, read by the proposer from the same copy)."""
+    R = num_seqs * (k + 1)
+    N, B = out.target_ids.shape[0], out.accepted_rows.shape[0]
+    return DeviceVerdict(out.target_ids[:R], out.accepted_drafts[:num_seqs], out.accepted_rows[:num_seqs],
+                         (k + 1,) * num_seqs, out.host, out.last_ids[:num_seqs], offsets=(N, N + B))
 
 
 def rejection_sample_on_device(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,

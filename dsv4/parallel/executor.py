@@ -130,6 +130,8 @@ class LaneRunner(ModelRunner):
     """The model runner's passes on plain inputs (what a rank receives: ``run_target`` / ``run_drafts``) for
     one lane; an idle lane's inert plan runs the plain path unless the step replays a graph bucket."""
 
+    whole_step_graphs = False  # the driver reads acceptance on the host: no rank (nor the driver) runs a whole step
+
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
             return CachedBackend.for_step(plan, self.storage)
@@ -192,10 +194,12 @@ class DistributedRunner(LaneRunner):
                 raise
             raise err from e
 
-    def forward(self, seqs: list[ScheduledSeq], plan, prev=None) -> TargetOutput:
+    def forward(self, seqs: list[ScheduledSeq], plan, prev=None, whole_step: bool = False) -> TargetOutput:
         if prev is not None:
             raise RuntimeError("the multi-rank driver takes host token ids only: no step may overlap on it"
                                " (supports_overlap is False)")
+        if whole_step:
+            raise RuntimeError("the multi-rank driver has no whole-step graphs (acceptance is read on the host)")
         return self._guard(self._forward, seqs, plan)
 
     def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
