@@ -254,6 +254,8 @@ class LLMEngine:
             return None
         index = {s.request.request_id: b for b, s in enumerate(prev.seqs)}
         pairs = [(b, index[s.request.request_id]) for b, s in enumerate(seqs) if s.request.unsettled]
+        if len(pairs) == len(seqs) and all(b == a for b, a in pairs):  # the same seqs in the same order
+            return prev.mtp.verdict.accepted_drafts[:len(seqs)]
         t = to_device([b for b, _ in pairs] + [b for _, b in pairs], self.device)
         shift = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         shift[t[:len(pairs)]] = prev.mtp.verdict.accepted_drafts[t[len(pairs):]]

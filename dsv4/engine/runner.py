@@ -257,9 +257,11 @@ class ModelRunner:
         return to_device(list(values) + [0] * (length - len(values)), self.device)
 
     def _padded(self, values: Sequence[int] | torch.Tensor, length: int) -> torch.Tensor:
-        """``values`` (host ints or a device tensor) padded with 0 to ``length``, on the device."""
+        """``values`` (host ints or a device tensor) padded with 0 to ``length``, on the device (a new tensor)."""
         if not isinstance(values, torch.Tensor):
             return self._ids(list(values), length)
+        if values.shape[0] == length:
+            return values.clone()
         out = torch.zeros(length, dtype=torch.long, device=self.device)
         out[:values.shape[0]] = values
         return out
@@ -281,14 +283,22 @@ class ModelRunner:
         its static buffers eagerly when not capturing). ``pending``: (step positions, indices into ``values``,
         ``values``: a device tensor) of the inputs that are still on the device (PENDING in ``token_ids``).
         ``whole_step``: replay the bucket's whole-step graph (every step row is a logit row)."""
-        ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
-        # one copy for the logit rows and the pending inputs' (positions, flat indices into ``pending[2]``)
         dst, src, values = pending if pending else ((), (), None)
         R, P = len(logit_rows), len(dst)
-        t = to_device(list(logit_rows) + list(dst) + list(src), self.device) if R or P else None
-        if P:
-            ids[t[R:R + P]] = values[t[R + P:]]
-        idx = t[:R] if R else None
+        every_row = list(logit_rows) == list(range(R))  # (a verify step: the logits are a prefix, no index)
+        if P and P == len(token_ids) and list(dst) == list(range(P)) and list(src) == list(range(P)):
+            # every input is the previous step's, in its order (an MTP decode batch in steady state): no host ids
+            ids = self._padded(values[:P], plan.shape.tokens)
+            t = None if every_row else to_device(list(logit_rows), self.device)
+        else:
+            ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
+            # one copy for the logit rows and the pending inputs' (positions, flat indices into ``pending[2]``)
+            t = to_device(([] if every_row else list(logit_rows)) + list(dst) + list(src), self.device) \
+                if (R and not every_row) or P else None
+            if P:
+                at = 0 if every_row else R
+                ids[t[at:at + P]] = values[t[at + P:]]
+        idx = None if not R else (slice(0, R) if every_row else t[:R])
         if whole_step:
             if tuple(logit_rows) != tuple(range(plan.num_tokens)):
                 raise RuntimeError(f"step {plan.step_id}: a whole-step graph samples every row of the step")
