@@ -276,3 +276,20 @@ def test_uniform_acceptance_equals_accept_on_device():
             for x, y in ((got.next_ids, inp.next_ids), (got.picks, inp.picks), (got.new_lens, inp.new_lens)):
                 assert torch.equal(x, y)
             assert got.active == inp.active
+
+
+def test_warmup_runs_whole_step_graphs_and_a_sampled_mtp_step(monkeypatch):
+    """Warmup's MTP path runs both MTP step kinds before serving: greedy steps on the whole-step graph and steps
+    of a sampled request (rejection sampling on the device, the separate graphs), and leaves nothing behind."""
+    from dsv4.engine import spec
+
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    calls = []
+    real = spec.rejection_sample_on_device
+    monkeypatch.setattr(spec, "rejection_sample_on_device", lambda *a: calls.append(1) or real(*a))
+    llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    assert len(llm.warmup_paths) == 3
+    assert llm.engine.runner.graphs.num_whole_steps > 0 and calls
+    assert not llm.engine.requests and llm.engine.cache.num_free_slots == llm.engine.cache.num_slots

@@ -14,10 +14,11 @@ class WarmupError(RuntimeError):
     """A warmup path failed; the message names the path and the cause."""
 
 
-def warmup_paths(engine) -> list[tuple[str, list[int], int]]:
-    """(name, prompt lengths, max_tokens) of each path: a context chunk of max_num_tokens, a decode batch
-    of max_batch_size, and with MTP a verify + draft at the configured draft length (it follows the
-    decode batch's first step, so its requests generate enough tokens to verify twice)."""
+def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
+    """(name, prompt lengths, max_tokens, with a sampled request) of each path: a context chunk of
+    max_num_tokens, a decode batch of max_batch_size, and with MTP a verify + draft at the configured draft length (it follows the
+    decode batch's first step, so its requests generate enough tokens to verify twice; a sampled request
+    follows its greedy batch, see ``run_warmup``)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
@@ -26,25 +27,32 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int]]:
     batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
     decode_out = min(2, L - 1)
     decode_prompt = max(1, min(4, L - decode_out))
-    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk)),
-             ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out)]
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False),
+             ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False)]
     if engine.draft_len:
         steps = 2 + 2 * (engine.draft_len + 1)  # enough to verify twice, where max_seq_len leaves room
         prompt = max(1, min(4, L - steps))
         paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",
-                      [prompt] * batch, min(steps, L - prompt)))
+                      [prompt] * batch, min(steps, L - prompt), True))
     return paths
 
 
 def run_warmup(engine) -> list[str]:
+    """Run every path; the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
+    both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
+    request (the separate graphs, rejection sampling on the device)."""
     done = []
-    for name, prompt_lens, max_tokens in warmup_paths(engine):
+    for name, prompt_lens, max_tokens, with_sampled in warmup_paths(engine):
         ids = []
         try:
-            for i, n in enumerate(prompt_lens):
+            params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in prompt_lens]
+            if with_sampled:
+                prompt_lens = prompt_lens + prompt_lens[:1]
+                params.append(SamplingParams(max_tokens=min(max_tokens, engine.draft_len + 2), ignore_eos=True,
+                                             temperature=1.0, seed=0))
+            for i, (n, sp) in enumerate(zip(prompt_lens, params)):
                 prompt = [(7 * i + j) % engine.model_cfg.vocab_size for j in range(n)]
-                ids.append(engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                              request_id=f"__warmup_{len(done)}_{i}"))
+                ids.append(engine.add_request(prompt, sp, request_id=f"__warmup_{len(done)}_{i}"))
             while engine.has_unfinished_requests():
                 engine.step()
             engine.cache.check_integrity()
