@@ -79,11 +79,13 @@ def main():
                     base, base_tps = toks, tps
                 same = sum(a == b for x, y in zip(toks, base) for a, b in zip(x, y)) / max(1, sum(map(len, base)))
                 per = "/".join(f"{a:.3f}" for a in st.get("per_position_acceptance", [])) or "-"
-                rows.append([c, k, "on" if overlap else "off", ("whole" if whole else "separate") if k else "-", len(ps), round(tps), f"{tps / base_tps:.2f}x", per,
+                graph = ("whole" if whole else "separate") if k else "-"
+                rows.append([c, k, "on" if overlap else "off", graph, len(ps), round(tps), f"{tps / base_tps:.2f}x", per,
                              f"{st['mean_accepted_len']:.2f}" if st else "-", f"{same:.3f}"])
                 print(rows[-1], flush=True)
     report(f"MTP on mini ({args.device}, {args.dtype})",
-           table(["concurrency", "k", "overlap", "step graph", "requests", "output tok/s", "vs off", "acceptance per position",
+           table(["concurrency", "k", "overlap", "step graph", "requests", "output tok/s", "vs off",
+                  "acceptance per position",
                   "mean accepted length", "tokens identical to MTP off"], rows), args.append,
            notes=f"{args.gen} new tokens per held-out prompt, greedy, EOS ignored; CUDA graph padding"
                  f" {'off' if args.no_padding else 'on'}; concurrency 1 runs the first"

@@ -121,7 +121,8 @@ def main():
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    text = table(["concurrency", "k", "drafts", "overlap", "step graph", "output tok/s", "vs off", "acceptance", "mean accepted len",
+    text = table(["concurrency", "k", "drafts", "overlap", "step graph", "output tok/s", "vs off", "acceptance",
+                  "mean accepted len",
                   "tokens identical to MTP off", "first divergence",
                   "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))
     report(f"MTP on vs off, {args.preset}, {args.gen} output tokens"

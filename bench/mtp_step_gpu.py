@@ -50,7 +50,8 @@ def main():
     rows, tops = [], []
     for k in args.ks:
         llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.concurrency), max_num_tokens=4096,
-                  max_seq_len=1024, kv_cache_config={"free_gpu_memory_fraction": 0.2}, cuda_graph_config={"enable_padding": True},
+                  max_seq_len=1024, kv_cache_config={"free_gpu_memory_fraction": 0.2},
+                  cuda_graph_config={"enable_padding": True},
                   speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
         eng = llm.engine
         if prompts is None:

@@ -225,7 +225,7 @@ class LLMEngine:
     def _verdict(self, seqs: list[ScheduledSeq], target: TargetOutput) -> DeviceVerdict:
         """The step's acceptance on the device: computed with the step's graph, or now."""
         if target.step is not None:
-            return verdict_of_step_graph(target.step, len(seqs), self.draft_len)
+            return verdict_of_step_graph(target.step, len(seqs))
         return accept_on_device(seqs, target.all_rows(), target.inputs)
 
     def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
@@ -275,10 +275,7 @@ class LLMEngine:
         drafts = proposals.drafts
         if drafts.active != tuple(sampled):
             raise RuntimeError(f"the proposer drafted for seqs {drafts.active}, the step samples {sampled}")
-        if target.step is not None and drafts.tokens is not None and drafts.tokens.data_ptr() == target.step.drafts.data_ptr():
-            inputs = target.step.inputs[:len(seqs)]  # (the graph's drafts as they are: it built the inputs too)
-        else:
-            inputs = torch.cat([bonus[:, None], drafts.tokens], 1) if drafts.tokens is not None else bonus[:, None]
+        inputs = torch.cat([bonus[:, None], drafts.tokens], 1) if drafts.tokens is not None else bonus[:, None]
         for b in sampled:
             req = seqs[b].request
             req.inflight = InFlight(plan.step_id, len(seqs[b].drafts), inputs.shape[1] - 1)

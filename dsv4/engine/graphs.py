@@ -30,15 +30,16 @@ from ..transfer import HostCopy
 from .cuda_backend import CudaBackend
 from .resolved import GraphSpec
 from .sampler import greedy_tokens
+from .runner import uniform_draft_inputs
 from .spec import accept_uniform
 
 
 @dataclass(frozen=True)
 class StepGraphOut:
     """What a bucket's whole-step graph leaves (static tensors, overwritten by its next replay): the target
-    pass, the greedy verdict of every row (``spec.accept_uniform``), the MTP drafts from it, and the next
-    step's inputs. ``packed`` = target ids [N] | accepted rows [B] | checked drafts [N] | drafts [B * k], the
-    one tensor copied to the host (``host``, queued right after each replay)."""
+    pass, the greedy verdict of every row (``spec.accept_uniform``) and the MTP drafts from it. ``packed`` =
+    target ids [N] | accepted rows [B] | checked drafts [N] | drafts [B * k] (``offsets``), the one tensor copied
+    to the host (``host``, queued right after each replay)."""
 
     streams: torch.Tensor  # [N, n, d]
     logits: torch.Tensor  # [N, V]
@@ -48,15 +49,19 @@ class StepGraphOut:
     last_ids: torch.Tensor  # [B] the token each row emits last (the bonus)
     drafts: torch.Tensor  # [B, k] the next step's drafts
     new_lens: torch.Tensor  # [B] committed length after acceptance (C + accepted rows)
-    inputs: torch.Tensor  # [B, 1 + k] the next step's inputs: the bonus token, then the drafts
     packed: torch.Tensor
     host: HostCopy | None = None
 
+    @property
+    def offsets(self) -> tuple[int, int, int]:
+        """Where the accepted rows, the checked drafts and the drafts start in ``packed``."""
+        N, B = self.target_ids.shape[0], self.accepted_rows.shape[0]
+        return N, N + B, 2 * N + B
+
     def drafts_host(self, num_seqs: int):
         """The first ``num_seqs`` rows' drafts, read from ``host`` (as ``HostCopy.tolist`` would give them)."""
-        N, B = self.target_ids.shape[0], self.accepted_rows.shape[0]
-        k = self.drafts.shape[1]
-        return self.host.part(2 * N + B, 2 * N + B + num_seqs * k, k)
+        k, at = self.drafts.shape[1], self.offsets[2]
+        return self.host.part(at, at + num_seqs * k, k)
 
 
 class GraphOrderError(RuntimeError):
@@ -171,8 +176,6 @@ class GraphRunner:
         pass, each row's accepted drafts, the MTP catch-up pass over the accepted rows (later rows get input 0:
         their writes are rolled back), draft 1 from the row of each request's newest committed position,
         draft passes 2..k. Padded batch rows (no drafts) feed zeros to the draft passes, as there."""
-        from .runner import uniform_draft_inputs
-
         tables, X, logits = self._forward(bk)
         B, k = bk.batch, self.draft_len
         G = greedy_tokens(logits)
@@ -189,7 +192,7 @@ class GraphRunner:
         D = torch.stack(drafts, 1)
         rows = 1 + a
         packed = torch.cat([G, rows, checks.reshape(-1), D.reshape(-1)])
-        return StepGraphOut(X, logits, G, a, rows, last, D, inp.new_lens, torch.cat([last[:, None], D], 1), packed)
+        return StepGraphOut(X, logits, G, a, rows, last, D, inp.new_lens, packed)
 
     def _run(self, bk: _Bucket, name: str, fn):
         """Replay the captured graph ``name`` (or run ``fn`` eagerly on the static buffers)."""

@@ -283,24 +283,10 @@ class ModelRunner:
         its static buffers eagerly when not capturing). ``pending``: (step positions, indices into ``values``,
         ``values``: a device tensor) of the inputs that are still on the device (PENDING in ``token_ids``).
         ``whole_step``: replay the bucket's whole-step graph (every step row is a logit row)."""
-        dst, src, values = pending if pending else ((), (), None)
-        R, P = len(logit_rows), len(dst)
-        every_row = list(logit_rows) == list(range(R))  # (a verify step: the logits are a prefix, no index)
-        if P and P == len(token_ids) and list(dst) == list(range(P)) and list(src) == list(range(P)):
-            # every input is the previous step's, in its order (an MTP decode batch in steady state): no host ids
-            ids = self._padded(values[:P], plan.shape.tokens)
-            t = None if every_row else to_device(list(logit_rows), self.device)
-        else:
-            ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
-            # one copy for the logit rows and the pending inputs' (positions, flat indices into ``pending[2]``)
-            t = to_device(([] if every_row else list(logit_rows)) + list(dst) + list(src), self.device) \
-                if (R and not every_row) or P else None
-            if P:
-                at = 0 if every_row else R
-                ids[t[at:at + P]] = values[t[at + P:]]
-        idx = None if not R else (slice(0, R) if every_row else t[:R])
+        ids, idx = self._step_inputs(plan, token_ids, logit_rows, pending)
+        R = len(logit_rows)
         if whole_step:
-            if tuple(logit_rows) != tuple(range(plan.num_tokens)):
+            if idx != slice(0, plan.num_tokens):
                 raise RuntimeError(f"step {plan.step_id}: a whole-step graph samples every row of the step")
             out = self.graphs.step(plan, ids)
             return out.streams, out.logits[:R], ids, out
@@ -313,6 +299,27 @@ class ModelRunner:
         if idx is not None:
             logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
         return X, logits, ids, None
+
+    def _step_inputs(self, plan, token_ids, logit_rows, pending):
+        """(the step's input ids [N_pad] on the device, its logit rows: None, a slice when they are the step's
+        first rows (a verify step: no index), else a device index), with one host-to-device copy at most. When
+        every input is the previous step's in its order (an MTP decode batch in steady state) no host ids are
+        sent: the inputs are one device copy."""
+        dst, src, values = pending if pending else ((), (), None)
+        R, P = len(logit_rows), len(dst)
+        prefix = list(logit_rows) == list(range(R))
+        index = [] if prefix else list(logit_rows)
+        if P and P == len(token_ids) and list(dst) == list(range(P)) and list(src) == list(range(P)):
+            ids = self._padded(values[:P], plan.shape.tokens)
+            t = to_device(index, self.device) if index else None
+        else:
+            ids = self._ids([max(t, 0) for t in token_ids] if pending else token_ids, plan.shape.tokens)
+            # one copy for the logit rows and the pending inputs' (positions, flat indices into ``pending[2]``)
+            t = to_device(index + list(dst) + list(src), self.device) if index or P else None
+            if P:
+                at = len(index)
+                ids[t[at:at + P]] = values[t[at + P:]]
+        return ids, (None if not R else slice(0, R) if prefix else t[:R])
 
     def _check_graphed(self, plan):
         if self.graphs is None or not self.graphs.matches(plan):

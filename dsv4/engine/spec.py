@@ -159,15 +159,16 @@ def accept_uniform(G: torch.Tensor, ids: torch.Tensor, batch: int, k: int) -> tu
     return a, g.gather(1, a[:, None])[:, 0], checks
 
 
-def verdict_of_step_graph(out, num_seqs: int, k: int) -> DeviceVerdict:
+def verdict_of_step_graph(out, num_seqs: int) -> DeviceVerdict:
     """The ``DeviceVerdict`` of a step that verified in one CUDA graph (``graphs.StepGraphOut``: its
     ``accept_uniform`` on the padded bucket), for its first ``num_seqs`` rows: every one samples greedily with
-    k drafts. The graph packed the target ids, accepted rows and checked drafts in ``out.packed``; one copy to
-    the host carries them (and the drafts, read by the proposer from the same copy)."""
-    R = num_seqs * (k + 1)
-    N, B = out.target_ids.shape[0], out.accepted_rows.shape[0]
-    return DeviceVerdict(out.target_ids[:R], out.accepted_drafts[:num_seqs], out.accepted_rows[:num_seqs],
-                         (k + 1,) * num_seqs, out.host, out.last_ids[:num_seqs], offsets=(N, N + B))
+    the graph's k drafts. The graph packed the target ids, accepted rows and checked drafts in ``out.packed``;
+    one copy to the host carries them (and the drafts, read by the proposer from the same copy)."""
+    k1 = out.drafts.shape[1] + 1
+    at_rows, at_checks, _ = out.offsets
+    return DeviceVerdict(out.target_ids[:num_seqs * k1], out.accepted_drafts[:num_seqs],
+                         out.accepted_rows[:num_seqs], (k1,) * num_seqs, out.host, out.last_ids[:num_seqs],
+                         offsets=(at_rows, at_checks))
 
 
 def rejection_sample_on_device(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,

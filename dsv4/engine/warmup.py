@@ -16,9 +16,9 @@ class WarmupError(RuntimeError):
 
 def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
     """(name, prompt lengths, max_tokens, with a sampled request) of each path: a context chunk of
-    max_num_tokens, a decode batch of max_batch_size, and with MTP a verify + draft at the configured draft length (it follows the
-    decode batch's first step, so its requests generate enough tokens to verify twice; a sampled request
-    follows its greedy batch, see ``run_warmup``)."""
+    max_num_tokens, a decode batch of max_batch_size, and with MTP a verify + draft at the configured draft
+    length (it follows the decode batch's first step, so its requests generate enough tokens to verify twice;
+    a sampled request follows its greedy batch, see ``run_warmup``)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
