@@ -101,6 +101,40 @@ def test_a_killed_driver_takes_its_workers_quietly(sig):
     assert err.splitlines() == [f"dsv4 rank 1: the driver (pid {p.pid}) exited; stopping"], err
 
 
+STORE_CLIENT = """
+import datetime, subprocess, sys
+import torch.distributed as dist
+host = subprocess.Popen([sys.executable, "-c", "import datetime, time, torch.distributed as d;"
+                         " s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False,"
+                         " timeout=datetime.timedelta(seconds=30)); print(s.port, flush=True); time.sleep(60)"],
+                        stdout=subprocess.PIPE, text=True)
+client = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), 2, is_master=False,
+                       timeout=datetime.timedelta(seconds=5))
+client.add("beat", 1)
+host.kill()
+host.wait()
+try:
+    client.add("beat", 1)
+except Exception as e:
+    print(type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["worker-env", "default-env"])
+def test_a_worker_s_store_client_says_nothing_when_the_store_dies(quiet):
+    """The race behind a killed driver's workers: the store's sockets close before the workers are
+    re-parented, so a heartbeat can fail first. In a worker's environment the failure is only the exception the
+    monitor handles; c10d's C++ warning (with its stack) is what the default environment prints."""
+    import os
+
+    from dsv4.parallel.comm import worker_env
+
+    env = worker_env() if quiet else {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    r = subprocess.run([sys.executable, "-c", STORE_CLIENT], env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "DistNetworkError", r.stdout + r.stderr
+    assert (r.stderr == "") == quiet, r.stderr
+
+
 def test_a_bench_run_whose_rank_dies_keeps_the_finished_requests(tmp_path, monkeypatch, capsys):
     """SIGKILL of rank 1 during the timed run: the report covers the requests that finished before it, the
     failure is one error line naming rank 1, and the exit status is 3."""

@@ -100,6 +100,18 @@ def _driver_exited(parent_pid: int | None, wait_s: float = 0.0) -> bool:
     return True
 
 
+def worker_env() -> dict:
+    """The environment of a launched worker: this one, with the package importable, and C++ logging at errors
+    only unless the user chose a level. (A dying driver closes its store's sockets a moment before its workers
+    are re-parented: a heartbeat sent in that moment fails and is handled with one line, but c10d would first
+    log the failure as a warning with its C++ stack.)"""
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
 def describe_exception(e: BaseException) -> str:
     """One line of type and message, plus where it was raised (for the launcher's error)."""
     msg = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -199,9 +211,7 @@ class RankGroup:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=startup_timeout_s))
         addr = ("127.0.0.1", store.port)
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = worker_env()
         procs = []
         for r in range(1, world_size):
             cmd = [sys.executable, "-m", "dsv4.parallel.worker", "--rank", str(r), "--world-size", str(world_size),
