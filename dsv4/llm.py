@@ -24,6 +24,7 @@ from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.resolved import dtype_name, resolve, resolve_dtype
 from .engine.sampling_params import SamplingParams
 from .engine.warmup import run_warmup
+from .model.expert_weights import check_fp4_shapes
 from .model.loader import load_model, model_config
 from .parallel.mapping import ParallelMapping
 
@@ -64,6 +65,13 @@ class LLM:
             self.mapping.check_model(model_config(model))
             if torchrun_rank() not in (None, 0):
                 serve_torchrun(device, self.mapping)  # ranks >= 1 under torchrun serve rank 0, then exit
+        if cfg.moe_config.expert_format == "fp4":  # refused before any weight is read
+            mc = model_config(model)
+            try:
+                check_fp4_shapes(mc.hidden_size, mc.moe_inter_dim // self.mapping.moe_tp,
+                                 f" / moe_tp ({self.mapping.moe_tp})" if self.mapping.moe_tp > 1 else "")
+            except ValueError as e:
+                raise EngineConfigError(str(e)) from None
         self.config = cfg
         self.notes = self._mapping_notes(cfg, device)
         torch_dtype = resolve_dtype(cfg.dtype, device)
@@ -77,13 +85,15 @@ class LLM:
     def _build(self, model: str, cfg: EngineConfig, device: str, torch_dtype, with_mtp, warmup: bool):
         try:
             if self.mapping.world_size == 1:
-                self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed)
+                self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed,
+                                        expert_format=cfg.moe_config.expert_format)
             else:
                 from .parallel.driver import load_rank_model, start_group
 
                 self._group = start_group(self.mapping, device)
                 weakref.finalize(self, self._group.shutdown)
-                _, self.model = load_rank_model(model, self._group, self.mapping, torch_dtype, with_mtp, cfg.seed)
+                _, self.model = load_rank_model(model, self._group, self.mapping, torch_dtype, with_mtp, cfg.seed,
+                                                cfg.moe_config.expert_format)
         except Exception as e:
             if with_mtp and "mtp" in str(e).lower():
                 raise EngineConfigError(f"speculative_config asks for MTP but {model!r} cannot provide it: {e}."

@@ -99,6 +99,7 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
         "cuda_graphs": _graphs(llm),
         "overlap_scheduler": _overlap(llm, cfg),
         "moe_backend": cfg.moe_config.backend,
+        "expert_format": cfg.moe_config.expert_format,
         "settings": settings.merged,
         "settings_from": settings.sources,
     }

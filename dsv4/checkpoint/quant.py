@@ -173,3 +173,24 @@ def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _nearest_e2m1_code(w32 / s).view(rows, cols // 2, 2)  # [out, in/2, (even, odd)]
     packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     return packed.view(torch.int8), scale
+
+
+# ------------------------------------------------------------------------------------------------
+# Stacked routed experts kept packed on the device (the engine's ``fp4`` expert format)
+# ------------------------------------------------------------------------------------------------
+def pack_fp4_stacked(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, out, in] (in a multiple of 32) -> (packed [E, out, in/2] uint8, e8m0 scale
+    bytes [E, out, in/32] uint8): ``quant_fp4`` per row, as plain bytes for the kernels. Lossless for weights
+    that were FP4 to begin with (a checkpoint's experts, dequantised at read): the same values come back."""
+    E, rows, cols = w.shape
+    if cols % FP4_BLOCK:
+        raise ValueError(f"FP4 experts need an input width that is a multiple of {FP4_BLOCK}, got {cols}")
+    packed, scale = quant_fp4(w.reshape(E * rows, cols))
+    return packed.view(torch.uint8).view(E, rows, cols // 2), _as_bytes(scale).view(E, rows, cols // FP4_BLOCK)
+
+
+def unpack_fp4_stacked(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse view of ``pack_fp4_stacked``: [..., out, in/2] bytes and [..., out, in/32] scales -> dtype."""
+    lead, rows, half = packed.shape[:-2], packed.shape[-2], packed.shape[-1]
+    flat = dequant_fp4(packed.reshape(-1, half), scale.reshape(-1, scale.shape[-1]), dtype)
+    return flat.view(*lead, rows, 2 * half)

@@ -83,6 +83,14 @@ class CudaGraphConfig:
 @dataclass(frozen=True)
 class MoeConfig:
     backend: str = "AUTO"  # TensorRT-LLM names (TRTLLM, CUTLASS, ...) map to this engine's one MoE path
+    # the routed experts' weights on the device: "dequantized" (the model dtype; a checkpoint's FP4 is decoded at
+    # load) or "fp4" (packed e2m1 with e8m0 scales per 32 inputs, as DeepSeek ships them; decoded in the grouped
+    # GEMM: a quarter of the bytes a decode step reads for them). dsv4.model.expert_weights
+    expert_format: str = "dequantized"
+
+    def __post_init__(self):
+        if self.expert_format not in ("dequantized", "fp4"):
+            raise EngineConfigError(f"moe_config.expert_format {self.expert_format!r}: use dequantized or fp4")
 
 
 def _check_device(device) -> None:

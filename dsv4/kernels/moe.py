@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.quant import unpack_fp4_stacked
 from . import HAVE_TRITON, on
 from .swiglu import swiglu_to
 
@@ -142,10 +143,25 @@ if HAVE_TRITON:
         tl.store(BLOCK_EXPERT + b, be.to(tl.int64), mask=start < m_pad)
 
     @triton.jit
+    def _fp4_tile(W, S, w_base, s_base, stride_wn, stride_sn, offs_n, kk, mask, dtype):
+        """[BLOCK_K, BLOCK_N] of W[e].T decoded from packed e2m1 (two inputs per byte, the even one in the
+        lower nibble) times its e8m0 scale (one byte per 32 inputs): the twin is ``unpack_fp4_stacked``."""
+        byte = tl.load(W + w_base + offs_n[None, :] * stride_wn + (kk // 2)[:, None], mask=mask, other=0)
+        nib = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 0xF
+        ex = (nib >> 1) & 3
+        half = (nib & 1).to(tl.float32) * 0.5
+        mag = tl.where(ex == 0, half, (1.0 + half) * tl.exp2((ex - 1).to(tl.float32)))  # 0 .5 1 1.5 2 3 4 6
+        val = tl.where((nib & 8) != 0, -mag, mag)
+        sb = tl.load(S + s_base + offs_n[None, :] * stride_sn + (kk // 32)[:, None], mask=mask, other=127)
+        return (val * tl.exp2(sb.to(tl.float32) - 127.0)).to(dtype)
+
+    @triton.jit
     def _grouped_gemm_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, stride_wk, C, stride_cm,
-                             BLOCK_EXPERT, N, K, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        """C[rows of block] = A[rows] @ W[e].T for the expert e of this row block."""
+                             BLOCK_EXPERT, N, K, S, stride_se, stride_sn, GATHER: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             IEEE: tl.constexpr, FP4: tl.constexpr):
+        """C[rows of block] = A[rows] @ W[e].T for the expert e of this row block. ``FP4``: W holds packed
+        e2m1 bytes [E, N, K/2] and S their scale bytes [E, N, K/32], decoded per tile (weight-only)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
@@ -163,10 +179,16 @@ if HAVE_TRITON:
         a_ptrs = A + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
         w_ptrs = W + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_base = e.to(tl.int64) * stride_we
+        s_base = e.to(tl.int64) * stride_se
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+            if FP4:
+                w = _fp4_tile(W, S, w_base, s_base, stride_wn, stride_sn, offs_n, k0 + offs_k,
+                              k_ok[:, None] & (offs_n[None, :] < N), a.dtype)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
             if IEEE:  # fp32 models: exact fp32 products, not TF32
                 acc += tl.dot(a, w, input_precision="ieee")
             else:
@@ -176,22 +198,28 @@ if HAVE_TRITON:
         c_ptrs = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=offs_n[None, :] < N)
 
-    def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int, config: dict | None = None):
+    def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int, config: dict | None = None,
+                      scale: torch.Tensor | None = None):
         """out [m_pad, n] (sorted layout) = a[rows] @ w[e].T per row block. ``config``: BLOCK_N, BLOCK_K,
-        num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices)."""
+        num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices). ``scale``: w is packed
+        FP4 [E, n, k/2] with these scale bytes [E, n, k/32]."""
         E, n, kdim = w.shape
+        if scale is not None:
+            kdim *= 2
+        s = scale if scale is not None else w  # unused without FP4
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
         base = GEMM_CONFIG_FP32 if a.element_size() > 2 else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED
         c = dict(base, **(config or {}))
         grid = (m_pad // BLOCK_M, triton.cdiv(n, c["BLOCK_N"]))
         _grouped_gemm_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), w.stride(2), out,
-                                   out.stride(0), block_expert, n, kdim, GATHER=gather, BLOCK_M=BLOCK_M,
-                                   BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], IEEE=a.dtype == torch.float32,
+                                   out.stride(0), block_expert, n, kdim, s, s.stride(0), s.stride(1),
+                                   GATHER=gather, BLOCK_M=BLOCK_M, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                                   IEEE=a.dtype == torch.float32, FP4=scale is not None,
                                    num_warps=c["num_warps"], num_stages=c["num_stages"])
         return out
 
 
-def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int):
+def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor | None = None):
     """Plain-torch twin of the Triton grouped GEMM (same sorted layout), used off the GPU."""
     out = torch.zeros(m_pad, w.shape[1], dtype=a.dtype, device=a.device)
     for b, e in enumerate(block_expert.tolist()):
@@ -200,18 +228,20 @@ def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int):
         sl = slice(b * BLOCK_M, (b + 1) * BLOCK_M)
         r = rows[sl]
         src = a[r.clamp(min=0)] if gather else a[sl]
-        out[sl] = torch.where((r >= 0)[:, None], src @ w[e].t(), 0).to(a.dtype)
+        we = w[e] if scale is None else unpack_fp4_stacked(w[e], scale[e], a.dtype)
+        out[sl] = torch.where((r >= 0)[:, None], src @ we.t(), 0).to(a.dtype)
     return out
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, limit: float,
-                    keep: torch.Tensor | None = None) -> torch.Tensor:
+                    keep: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
     """Routed-expert output [N, d] fp32 (same contract as Experts.forward), no host sync on CUDA.
 
     ``keep`` [N, k] bool (expert parallelism): pairs with ``keep`` False belong to experts of other ranks.
     They are laid out as one extra expert E whose row blocks are skipped (no GEMM work) and contribute 0;
-    their ``ids`` may be anything (clamped into range). Shapes stay static: still graph-safe."""
+    their ``ids`` may be anything (clamped into range). Shapes stay static: still graph-safe. ``scales``
+    (w1, w2, w3 scale bytes): the weights are packed FP4 (``dsv4.model.expert_weights``)."""
     N, k = ids.shape
     E = w1.shape[0]
     if keep is None:
@@ -222,12 +252,13 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     m_pad = rows.shape[0]
     x = x.contiguous()
     gemm = _grouped_gemm if on(x) else _grouped_gemm_torch
-    g = gemm(x, rows, w1, block_expert, True, m_pad)  # [m_pad, I]
-    u = gemm(x, rows, w3, block_expert, True, m_pad)
+    s1, s2, s3 = scales if scales is not None else (None, None, None)
+    g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1)  # [m_pad, I]
+    u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3)
     w_sorted = torch.zeros(m_pad, dtype=torch.float32, device=x.device)
     w_sorted[pair_pos] = weights.flatten().float()
     h = swiglu_to(g, u, limit, w_sorted, x.dtype)  # routing weight before w2, as DeepSeek
-    y = gemm(h, rows, w2, block_expert, False, m_pad)  # [m_pad, d]
+    y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2)  # [m_pad, d]
     if on(x):  # one kernel; the lines below are its twin
         return _combine(y, pair_pos, keep, N, k)
     y = y[pair_pos]

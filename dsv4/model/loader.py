@@ -9,6 +9,7 @@ from ..checkpoint.init_random import random_state_dict
 from ..checkpoint.io import read_state_dict
 from ..checkpoint.names import is_stacked_expert
 from ..config import ModelConfig, get_preset, is_checkpoint_dir, is_preset, load_config
+from .expert_weights import EXPERT_FORMATS, adopt_layout, check_fp4_shapes, pack_experts
 from .model import DeepseekV4
 
 
@@ -16,15 +17,17 @@ def build_model(cfg: ModelConfig, state_dict: dict, has_mtp: bool, device="cpu")
     """Instantiate on the meta device and adopt the given tensors (no double allocation)."""
     with torch.device("meta"):
         model = DeepseekV4(cfg, with_mtp=has_mtp)
+        adopt_layout(model, state_dict)
     model.load_state_dict({k: v.to(device) for k, v in state_dict.items()}, strict=True, assign=True)
     return model.finish_loading(device)
 
 
 def load_model(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
-               with_mtp: bool | None = None, seed: int = 0) -> DeepseekV4:
+               with_mtp: bool | None = None, seed: int = 0, expert_format: str = "dequantized") -> DeepseekV4:
     """A checkpoint directory (config.json + safetensors), a built-in checkpoint (``mini``), or a preset name (``tiny``, ``flash-L4-E32``, ...)
-    which gets deterministic random weights from ``seed`` (drawn on ``device``)."""
-    cfg, sd, has_mtp = load_state(checkpoint_dir, device, dtype, with_mtp, seed)
+    which gets deterministic random weights from ``seed`` (drawn on ``device``). ``expert_format``: the routed
+    experts' weights in ``dtype`` or packed FP4 (``dsv4.model.expert_weights``)."""
+    cfg, sd, has_mtp = load_state(checkpoint_dir, device, dtype, with_mtp, seed, expert_format=expert_format)
     return build_model(cfg, sd, has_mtp, device)
 
 
@@ -40,11 +43,15 @@ def model_config(checkpoint_dir: str) -> ModelConfig:
 
 def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.float32,
                with_mtp: bool | None = None, seed: int = 0,
-               experts: range | None = None) -> tuple[ModelConfig, dict, bool]:
+               experts: range | None = None, expert_format: str = "dequantized") -> tuple[ModelConfig, dict, bool]:
     """(config, state dict, has_mtp) as ``load_model`` reads them. ``experts``: only these routed experts
     (stacked tensors [len(experts), ...]); an expert-parallel rank reads just its share of a checkpoint, and
     slices the rest of its share from what it read (``dsv4.parallel.shard``). A built-in name (``mini``) reads
-    the checkpoint shipped in the package."""
+    the checkpoint shipped in the package. ``expert_format`` "fp4": the routed experts come back packed (each
+    with its ``_scale``); a checkpoint's FP4 experts are then what the file holds (the decode at read and the
+    packing are exact inverses), a preset's random ones are rounded to FP4."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format {expert_format!r}: use one of {', '.join(EXPERT_FORMATS)}")
     checkpoint_dir = resolve_model(checkpoint_dir)
     if is_checkpoint_dir(checkpoint_dir):
         cfg = load_config(checkpoint_dir)
@@ -62,4 +69,7 @@ def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
             sd = {k: (v[experts.start:experts.stop].clone() if is_stacked_expert(k) else v) for k, v in sd.items()}
     else:
         raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
+    if expert_format == "fp4":
+        check_fp4_shapes(cfg.hidden_size, cfg.moe_inter_dim)
+        sd = pack_experts(sd)
     return cfg, sd, has_mtp

@@ -9,6 +9,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
+from .expert_weights import StackedExperts
 from .fused import FusedLinears, project
 from .ops import swiglu_to
 from .rows import Linear, linear
@@ -48,17 +49,14 @@ class Gate(nn.Module):
         return weights * self.cfg.route_scale, ids
 
 
-class Experts(nn.Module):
-    """Routed experts, stacked: w1/w3 [E, I, d], w2 [E, d, I]."""
+class Experts(StackedExperts):
+    """Routed experts, stacked: w1/w3 [E, I, d], w2 [E, d, I] (or packed FP4: ``expert_weights``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        E, I, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size
         self.limit = cfg.swiglu_limit
         self.grouped_kernel = kernels.enabled()
-        self.w1 = nn.Parameter(torch.empty(E, I, d))
-        self.w2 = nn.Parameter(torch.empty(E, d, I))
-        self.w3 = nn.Parameter(torch.empty(E, I, d))
+        self._make_weights(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns fp32 [N, d].
@@ -68,7 +66,7 @@ class Experts(nn.Module):
         if x.is_cuda and self.grouped_kernel:
             from ..kernels.moe import grouped_experts  # lazy: kernels import model.ops
 
-            return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit)
+            return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit, scales=self.scales())
         N, k = ids.shape
         flat = ids.flatten()  # [N*k] one row per (token, choice)
         order = flat.argsort(stable=True)  # rows grouped by expert
@@ -81,8 +79,9 @@ class Experts(nn.Module):
             if c:
                 seg = slice(start, start + c)
                 # routing weight before w2, as DeepSeek does
-                h = swiglu_to(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit, ws[seg, 0], x.dtype)
-                out[seg] = (h @ self.w2[e].t()).float()
+                w1, w2, w3 = (self.expert_weight(n, e, x.dtype) for n in ("w1", "w2", "w3"))
+                h = swiglu_to(xs[seg] @ w1.t(), xs[seg] @ w3.t(), self.limit, ws[seg, 0], x.dtype)
+                out[seg] = (h @ w2.t()).float()
                 start += c
         y = torch.empty_like(out)
         y[order] = out

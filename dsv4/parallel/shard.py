@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
+from ..model.expert_weights import StackedExperts, adopt_layout, check_fp4_shapes, is_packed
 from ..model.model import DeepseekV4
 from ..model.ops import swiglu_to
 from ..model.rows import Linear, linear
@@ -29,8 +30,8 @@ _WQ_B = re.compile(_BLOCK + r"attn\.wq_b\.weight$")
 _SINK = re.compile(_BLOCK + r"attn\.attn_sink$")
 _WO_A = re.compile(_BLOCK + r"attn\.wo_a\.weight$")
 _WO_B = re.compile(_BLOCK + r"attn\.wo_b\.weight$")
-_W13 = re.compile(_BLOCK + r"ffn\.experts\.w[13]$")
-_W2 = re.compile(_BLOCK + r"ffn\.experts\.w2$")
+_W13 = re.compile(_BLOCK + r"ffn\.experts\.w[13](_scale)?$")  # their rows: I
+_W2 = re.compile(_BLOCK + r"ffn\.experts\.w2(_scale)?$")  # their columns: I (bytes or scale blocks when packed)
 
 
 def _share(n: int, parts: int, index: int) -> slice:
@@ -60,6 +61,8 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelM
     t, tr = m.attn_tp, (m.rank if m.attn_tp > 1 else 0)
     heads = _share(H, t, tr)
     inter = _share(cfg.moe_inter_dim, m.moe_tp, m.moe_tp_rank)
+    if is_packed(sd):
+        check_fp4_shapes(cfg.hidden_size, inter.stop - inter.start, f" / moe_tp ({m.moe_tp})")
     out = {}
     for name, x in sd.items():
         if t > 1 and _WQ_B.match(name):  # [H*D, q]: head h is rows h*D .. h*D+D-1
@@ -72,8 +75,9 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelM
             x = x[:, _share(g, t, tr).start * o:_share(g, t, tr).stop * o]
         elif _W13.match(name):  # [E, I, d]
             x = x[_expert_rows(x, cfg, m), inter]
-        elif _W2.match(name):  # [E, d, I]
-            x = x[_expert_rows(x, cfg, m), :, inter]
+        elif _W2.match(name):  # [E, d, I]; packed: [E, d, I/2] bytes, [E, d, I/32] scales
+            per = cfg.moe_inter_dim // x.shape[-1]
+            x = x[_expert_rows(x, cfg, m), :, inter.start // per:inter.stop // per]
         else:
             out[name] = x
             continue
@@ -92,7 +96,7 @@ class RowParallelLinear(Linear):
         return self.comm.all_reduce(linear(x, self.weight))
 
 
-class ParallelExperts(nn.Module):
+class ParallelExperts(StackedExperts):
     """This rank's routed experts (global ids ``first_expert .. first_expert + E_local - 1``, intermediate
     slice of width I_local): every rank routes its tokens with the replicated gate, computes its experts'
     contributions, and the contributions are summed over ranks.
@@ -111,9 +115,7 @@ class ParallelExperts(nn.Module):
         self.first_expert, self.num_local = first_expert, num_local
         self.comm, self.gather_tokens = comm, gather_tokens
         self.grouped_kernel = kernels.enabled()
-        self.w1 = nn.Parameter(torch.empty(num_local, inter_local, d))
-        self.w2 = nn.Parameter(torch.empty(num_local, d, inter_local))
-        self.w3 = nn.Parameter(torch.empty(num_local, inter_local, d))
+        self._make_weights(num_local, inter_local, d)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.gather_tokens:
@@ -136,7 +138,8 @@ class ParallelExperts(nn.Module):
 
         local = ids - self.first_expert
         keep = (local >= 0) & (local < self.num_local)
-        return grouped_experts(x, weights, local, self.w1, self.w2, self.w3, self.limit, keep=keep)
+        return grouped_experts(x, weights, local, self.w1, self.w2, self.w3, self.limit, keep=keep,
+                               scales=self.scales())
 
     def _local_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The plain-torch twin (host-side loop over this rank's experts; syncs: not for CUDA graphs)."""
@@ -155,8 +158,9 @@ class ParallelExperts(nn.Module):
             if c:
                 seg = slice(start, start + c)
                 # routing weight before w2, as the single-device path does
-                h = swiglu_to(xs[seg] @ self.w1[e].t(), xs[seg] @ self.w3[e].t(), self.limit, ws[seg, 0], x.dtype)
-                y.index_add_(0, tok[seg], (h @ self.w2[e].t()).float())
+                w1, w2, w3 = (self.expert_weight(n, e, x.dtype) for n in ("w1", "w2", "w3"))
+                h = swiglu_to(xs[seg] @ w1.t(), xs[seg] @ w3.t(), self.limit, ws[seg, 0], x.dtype)
+                y.index_add_(0, tok[seg], (h @ w2.t()).float())
                 start += c
         return y
 
@@ -186,5 +190,6 @@ def build_shard(cfg: ModelConfig, full_sd: dict[str, torch.Tensor], has_mtp: boo
     with torch.device("meta"):
         model = DeepseekV4(cfg, with_mtp=has_mtp)
         _parallelize(model, cfg, m, comm)
+        adopt_layout(model, sd)
     model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True, assign=True)
     return model.finish_loading(device)  # the fused projections are replicated ones

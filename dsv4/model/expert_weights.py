@@ -1,0 +1,98 @@
+"""The routed experts' stacked weights in one of two formats (the engine's ``moe_config.expert_format``):
+
+* ``dequantized`` (the default): w1/w3 [E, I, d] and w2 [E, d, I] as parameters in the model's dtype (a
+  checkpoint's FP4 experts are decoded at load);
+* ``fp4``: the checkpoint's own format kept on the device: w1/w3 [E, I, d/2], w2 [E, d, I/2] as packed e2m1
+  bytes (lower nibble the even input) with ``w1_scale`` ... [E, out, in/32] e8m0 scale bytes, a quarter of the
+  bf16 bytes plus 1/64 for the scales. The grouped GEMM decodes them in its inner loop (weight-only: the products
+  are the dequantised weights' products, exact in bf16), the CPU loop decodes one expert at a time.
+
+The format travels with the state dict: ``pack_experts`` turns the dequantised stacked tensors into packed ones
+(and their ``_scale`` tensors), and a model built from such a state dict switches its expert modules to the
+packed layout (``adopt_layout``) before adopting the tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checkpoint.names import is_stacked_expert
+from ..checkpoint.quant import FP4_BLOCK, pack_fp4_stacked, unpack_fp4_stacked
+
+EXPERT_FORMATS = ("dequantized", "fp4")
+NAMES = ("w1", "w2", "w3")
+SCALE_SUFFIX = "_scale"
+
+
+class StackedExperts(nn.Module):
+    """Base of the routed-expert modules (``Experts``, the parallel ``ParallelExperts``): w1/w3 [E, I, d] and
+    w2 [E, d, I], as parameters or, after ``use_fp4``, packed FP4 buffers with their scales."""
+
+    fp4 = False
+
+    def _make_weights(self, E: int, inter: int, d: int) -> None:
+        self.w1 = nn.Parameter(torch.empty(E, inter, d))
+        self.w2 = nn.Parameter(torch.empty(E, d, inter))
+        self.w3 = nn.Parameter(torch.empty(E, inter, d))
+
+    def use_fp4(self) -> None:
+        """Switch to the packed layout (on the meta device, before a packed state dict is adopted)."""
+        if self.fp4:
+            return
+        for name in NAMES:
+            E, rows, cols = getattr(self, name).shape
+            device = getattr(self, name).device
+            del self._parameters[name]
+            self.register_buffer(name, torch.empty(E, rows, cols // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(name + SCALE_SUFFIX, torch.empty(E, rows, cols // FP4_BLOCK, dtype=torch.uint8,
+                                                                   device=device))
+        self.fp4 = True
+
+    def expert_weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s ``name`` weight [out, in] in ``dtype`` (decoded when packed): the CPU loop's operand."""
+        w = getattr(self, name)[e]
+        if not self.fp4:
+            return w
+        return unpack_fp4_stacked(w, getattr(self, name + SCALE_SUFFIX)[e], dtype)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(w1, w2, w3) scale bytes for the grouped GEMM, None when the weights are not packed."""
+        return tuple(getattr(self, n + SCALE_SUFFIX) for n in NAMES) if self.fp4 else None
+
+
+def is_scale_key(name: str) -> bool:
+    return name.endswith(SCALE_SUFFIX) and is_stacked_expert(name[: -len(SCALE_SUFFIX)])
+
+
+def is_packed(state_dict: dict) -> bool:
+    """Whether a model-named state dict holds packed routed experts."""
+    return any(is_scale_key(k) for k in state_dict)
+
+
+def check_fp4_shapes(hidden_size: int, inter: int, where: str = "") -> None:
+    """Packed experts need whole scale blocks along every input width: d and the (per-rank) I."""
+    for what, n in (("hidden_size", hidden_size), (f"moe_inter_dim{where}", inter)):
+        if n % FP4_BLOCK:
+            raise ValueError(f"moe_config.expert_format 'fp4' needs {what} to be a multiple of {FP4_BLOCK}"
+                             f" (got {n}); use expert_format 'dequantized' for this model")
+
+
+def pack_experts(state_dict: dict) -> dict:
+    """The stacked routed experts of a model-named state dict as packed FP4 (``pack_fp4_stacked``), each with
+    its ``_scale`` tensor; one tensor at a time, its dequantised form released as it goes. Others unchanged."""
+    out = {}
+    for name in list(state_dict):
+        t = state_dict.pop(name)
+        if is_stacked_expert(name):
+            t, out[name + SCALE_SUFFIX] = pack_fp4_stacked(t)
+        out[name] = t
+    return out
+
+
+def adopt_layout(model: nn.Module, state_dict: dict) -> None:
+    """Before ``load_state_dict``: a packed state dict switches every expert module to the packed layout."""
+    if is_packed(state_dict):
+        for m in model.modules():
+            if isinstance(m, StackedExperts):
+                m.use_fp4()

@@ -1,0 +1,123 @@
+"""Routed experts kept as packed FP4 (``moe_config.expert_format: fp4``) against the dequantised twin.
+
+A DeepSeek-layout checkpoint's experts are FP4 already, so the packed model must compute exactly what the
+dequantised one computes (the packing is the inverse of the decode at read); random presets are rounded to FP4
+and then equal a dequantised model of the rounded weights. The Triton kernel's twin test is in
+test_kernels_cuda.py."""
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.init_random import random_state_dict
+from dsv4.checkpoint.io import write_checkpoint
+from dsv4.checkpoint.quant import dequant_fp4, pack_fp4_stacked, quant_fp4, unpack_fp4_stacked
+from dsv4.config import get_preset
+from dsv4.engine.config import EngineConfigError
+from dsv4.kernels import moe
+from dsv4.model.expert_weights import pack_experts
+from dsv4.model.loader import load_model
+from dsv4.model.moe import Experts
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 8, 7] * 5, [200]]
+SP = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def _greedy(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)]
+
+
+@pytest.fixture(scope="module")
+def fp4_checkpoint(tmp_path_factory):
+    """tiny written as DeepSeek ships it: FP8 block-128 linears, FP4 routed experts."""
+    cfg = get_preset("tiny")
+    path = tmp_path_factory.mktemp("tiny-fp4")
+    write_checkpoint(str(path), cfg, random_state_dict(cfg, seed=3), quantize="fp8")
+    return str(path)
+
+
+def test_packing_is_the_inverse_of_the_decode():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 40, 96, generator=g) * 0.02
+    w[1, 5, :32] = 0  # an all-zero scale block
+    packed, scale = pack_fp4_stacked(w)
+    assert packed.dtype == scale.dtype == torch.uint8
+    assert packed.shape == (3, 40, 48) and scale.shape == (3, 40, 3)
+    d = unpack_fp4_stacked(packed, scale, torch.float32)
+    for e in range(3):  # the same values as the checkpoint format's own encode and decode, row by row
+        assert torch.equal(d[e], dequant_fp4(*quant_fp4(w[e]), torch.float32))
+    again = pack_fp4_stacked(d)  # FP4 values pack back to themselves: loading a checkpoint's experts is lossless
+    assert torch.equal(unpack_fp4_stacked(*again, torch.float32), d)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_fp4_stacked(torch.zeros(1, 4, 48))
+
+
+def test_experts_module_and_grouped_twin_equal_the_dequantised_experts():
+    """The CPU loop and the grouped GEMM's torch twin on packed weights == both on the decoded weights."""
+    cfg = get_preset("tiny")
+    g = torch.Generator().manual_seed(1)
+    dense, packed = Experts(cfg), Experts(cfg)
+    sd = {n: torch.randn(getattr(dense, n).shape, generator=g) * 0.1 for n in ("w1", "w2", "w3")}
+    psd = pack_experts({f"x.ffn.experts.{n}": t for n, t in sd.items()})
+    packed.use_fp4()
+    packed.load_state_dict({k.split(".")[-1]: v for k, v in psd.items()})
+    dense.load_state_dict({n: unpack_fp4_stacked(psd[f"x.ffn.experts.{n}"], psd[f"x.ffn.experts.{n}_scale"],
+                                                 torch.float32) for n in sd})
+    assert set(packed.state_dict()) == {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
+    x = torch.randn(7, cfg.hidden_size, generator=g)
+    ids = torch.rand(7, cfg.n_routed_experts, generator=g).topk(cfg.n_experts_per_tok, dim=1).indices
+    w = torch.rand(7, cfg.n_experts_per_tok, generator=g)
+    ref = dense(x, w, ids)
+    assert torch.equal(packed(x, w, ids), ref)
+    grouped = moe.grouped_experts(x, w, ids, packed.w1, packed.w2, packed.w3, packed.limit, scales=packed.scales())
+    assert torch.allclose(grouped, ref, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(grouped, moe.grouped_experts(x, w, ids, packed.w1, packed.w2, packed.w3,
+                                                           packed.limit, scales=packed.scales()[::-1]))
+
+
+def test_a_fp4_checkpoint_gives_the_same_logits_and_tokens_packed_or_dequantised(fp4_checkpoint):
+    dq = load_model(fp4_checkpoint)
+    p4 = load_model(fp4_checkpoint, expert_format="fp4")
+    ex = p4.layers[0].ffn.experts
+    assert ex.fp4 and ex.w1.dtype == torch.uint8
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in m.state_dict().values())  # noqa: E731
+    # fp32 here: 4 bytes per weight dequantised, 1/2 + 1/32 packed
+    assert nbytes(ex) * 4 / (0.5 + 1 / 32) == nbytes(dq.layers[0].ffn.experts)
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(p4(ids), dq(ids))
+    a = LLM(fp4_checkpoint, warmup=False)
+    b = LLM(fp4_checkpoint, warmup=False, moe_config={"expert_format": "fp4"})
+    assert _greedy(a) == _greedy(b)
+
+
+def test_a_preset_in_fp4_equals_its_rounded_dequantised_twin():
+    """Random bf16-style weights are rounded to FP4: the packed engine equals an engine whose experts are the
+    rounded weights decoded (and differs from the unrounded one, so the comparison can fail)."""
+    b = LLM("tiny", warmup=False, moe_config={"expert_format": "fp4"})
+    a = LLM("tiny", warmup=False)
+    for blk in list(a.model.layers) + list(a.model.mtp):
+        ex = blk.ffn.experts
+        for n in ("w1", "w2", "w3"):
+            getattr(ex, n).copy_(unpack_fp4_stacked(*pack_fp4_stacked(getattr(ex, n)), torch.float32))
+    out = _greedy(b)
+    assert out == _greedy(a)
+    assert out != _greedy(LLM("tiny", warmup=False))
+
+
+def test_fp4_on_two_ranks_equals_one(fp4_checkpoint):
+    """Attention TP 2 with expert parallelism 2 (gloo): each rank holds half the packed experts. In float64,
+    as the multi-device matrix, so the ranks' partial sums cannot tip a greedy choice."""
+    kw = dict(warmup=False, dtype="fp64", moe_config={"expert_format": "fp4"})
+    one = _greedy(LLM(fp4_checkpoint, **kw))
+    with LLM(fp4_checkpoint, tensor_parallel_size=2, moe_expert_parallel_size=2, **kw) as llm:
+        assert _greedy(llm) == one
+
+
+def test_bad_expert_formats_are_refused_before_loading():
+    with pytest.raises(EngineConfigError, match="expert_format 'fp5': use dequantized or fp4"):
+        LLM("tiny", warmup=False, moe_config={"expert_format": "fp5"})
+    # tiny's moe_inter_dim 32 split over 2 ranks leaves 16 inputs per row: less than one scale block
+    with pytest.raises(EngineConfigError, match=r"moe_inter_dim / moe_tp \(2\) to be a multiple of 32 \(got 16\)"):
+        LLM("tiny", warmup=False, tensor_parallel_size=2, moe_config={"expert_format": "fp4"})
+    with pytest.raises(ValueError, match="expert_format 'int4'"):
+        load_model("tiny", expert_format="int4")
