@@ -16,8 +16,9 @@ from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
 
 
-def step_bytes(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float]:
-    """Bytes one decode step of ``batch`` tokens must read, counted from the config (bf16 weights)."""
+def step_bytes(cfg, batch: int, context: int, elt: int = 2, expert_elt: float = 2) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` tokens must read, counted from the config: bf16 weights, the routed
+    experts at ``expert_elt`` bytes per weight (``stored_bytes_per_expert_weight``: 2 in bf16, 0.53 packed FP4)."""
     d, H, D, q, g, o = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
     E, k, I, n = cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter_dim, cfg.hc_mult
     attn = weights = experts = kv = 0.0
@@ -36,11 +37,19 @@ def step_bytes(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float]:
         attn += a * elt
         weights += (E * d + 3 * I * d) * elt + 2 * (2 + n) * n * n * d * 4  # gate, shared expert, mHC (fp32)
         distinct = E * (1 - (1 - k / E) ** batch)  # expected experts the batch routes to
-        experts += distinct * 3 * I * d * elt
+        experts += distinct * 3 * I * d * expert_elt
         kv += batch * min(cfg.window_size, context) * D * elt
     head = cfg.vocab_size * d * elt
     return {"attention": attn, "moe shared+gate+mHC": weights, "routed experts": experts, "lm head": head,
             "kv": kv, "total": attn + weights + experts + head + kv}
+
+
+def stored_bytes_per_expert_weight(model) -> float:
+    """What the loaded model holds per routed-expert weight: its experts' tensors (packed bytes and scales
+    included) over their number of weights."""
+    ex = model.layers[0].ffn.experts
+    stored = sum(t.numel() * t.element_size() for t in ex.state_dict().values())
+    return stored / (3 * ex.w1.shape[0] * model.cfg.moe_inter_dim * model.cfg.hidden_size)
 
 
 def main():
@@ -49,12 +58,15 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     cfg = get_preset(args.preset)
     bw = copy_bandwidth()
     llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
-              max_seq_len=args.prompt_len + 3 * args.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2})
+              max_seq_len=args.prompt_len + 3 * args.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2},
+              moe_config={"expert_format": args.expert_format})
+    expert_elt = stored_bytes_per_expert_weight(llm.model)
     eng = llm.engine
     rng = random.Random(0)
     rows = []
@@ -81,7 +93,7 @@ def main():
         replay = None
         if g is not None and B in g._b and "target" in g._b[B].graphs:  # the step's forward alone (GPU time)
             replay, _ = timed(g._b[B].graphs["target"].replay, repeat=20)
-        b = step_bytes(cfg, B, args.prompt_len + 4)
+        b = step_bytes(cfg, B, args.prompt_len + 4, expert_elt=expert_elt)
         floor = b["total"] / bw
         pct = " / ".join(f"{100 * floor / x:.1f}%" for x in (t, t_row, t_overlap))
         rows.append([B, f"{t * 1e3:.2f} / {t_row * 1e3:.2f} / {t_overlap * 1e3:.2f}", floor * 1e3, pct,
@@ -90,7 +102,8 @@ def main():
     text = table(["batch", "step ms: alone / in a row / in a row, overlapped", "floor ms", "% of floor",
                   "forward alone ms (graph replay)",
                   "GB read", "of which experts", "lm head"], rows)
-    what = f"{args.preset}, bf16, {args.prompt_len}-token prompts"
+    what = (f"{args.preset}, bf16, routed experts {args.expert_format} ({expert_elt:.3f} bytes per weight as"
+            f" stored), {args.prompt_len}-token prompts")
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"

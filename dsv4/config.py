@@ -458,12 +458,13 @@ PRESETS = {
     "flash": lambda: FLASH,
     "pro": lambda: PRO,
 }
-PRESET_NAMES = tuple(PRESETS) + ("flash-L<layers>-E<experts>",)
+PRESET_NAMES = tuple(PRESETS) + ("flash-L<layers>-E<experts>", "flash-E<experts>")
 _REDUCED = re.compile(r"^flash-L(\d+)-E(\d+)$")
+_FULL_DEPTH = re.compile(r"^flash-E(\d+)$")  # Flash's own 43 layers (layer kinds, hash layers, MTP), fewer experts
 
 
 def is_preset(name: str) -> bool:
-    return name in PRESETS or bool(_REDUCED.match(name))
+    return name in PRESETS or bool(_REDUCED.match(name) or _FULL_DEPTH.match(name))
 
 
 def is_checkpoint_dir(name: str) -> bool:
@@ -473,10 +474,18 @@ def is_checkpoint_dir(name: str) -> bool:
 
 
 def get_preset(name: str) -> ModelConfig:
-    """``tiny`` (HCA ratio 16), ``tiny-r128``, ``flash``, ``pro``, or ``flash-L4-E32`` (reduced Flash)."""
+    """``tiny`` (HCA ratio 16), ``tiny-r128``, ``flash``, ``pro``, ``flash-L4-E32`` (reduced Flash: its layer
+    dimensions, fewer layers and experts) or ``flash-E128`` (Flash's whole layer stack with fewer experts: with
+    ``moe_config.expert_format: fp4`` it fits one H200, about 75 GB of experts and 15 GB of the rest in bf16;
+    all 256 experts are 151 GB in FP4)."""
     if name in PRESETS:
         return PRESETS[name]()
     m = _REDUCED.match(name)
     if m:
         return flash_reduced(int(m.group(1)), int(m.group(2)))
+    m = _FULL_DEPTH.match(name)
+    if m:
+        if int(m.group(1)) < FLASH.n_experts_per_tok:
+            raise ConfigError(f"{name}: needs >= {FLASH.n_experts_per_tok} experts")
+        return FLASH.replace(n_routed_experts=int(m.group(1)))
     raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}")

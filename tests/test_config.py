@@ -68,6 +68,14 @@ def test_reduced_flash_keeps_layer_dimensions():
         assert getattr(cfg, k) == getattr(FLASH, k)
 
 
+def test_full_depth_flash_keeps_the_whole_layer_stack():
+    """flash-E128: Flash with half its experts, everything else Flash's own (and a clear refusal below 6)."""
+    cfg = get_preset("flash-E128")
+    assert cfg == FLASH.replace(n_routed_experts=128) and cfg.num_layers == 43 and cfg.num_hash_layers == 3
+    with pytest.raises(ConfigError, match="needs >= 6 experts"):
+        get_preset("flash-E4")
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"compress_ratios": [0, 4]}, "compress_ratios"),
     ({"model_type": "llama"}, "model_type"),

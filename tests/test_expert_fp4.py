@@ -11,7 +11,8 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint.init_random import random_state_dict
 from dsv4.checkpoint.io import write_checkpoint
-from dsv4.checkpoint.quant import dequant_fp4, pack_fp4_stacked, quant_fp4, unpack_fp4_stacked
+from dsv4.checkpoint.quant import dequant_fp4, pack_fp4_stacked, quant_fp4
+from dsv4.kernels.fp4 import unpack_fp4
 from dsv4.config import get_preset
 from dsv4.engine.config import EngineConfigError
 from dsv4.kernels import moe
@@ -43,11 +44,11 @@ def test_packing_is_the_inverse_of_the_decode():
     packed, scale = pack_fp4_stacked(w)
     assert packed.dtype == scale.dtype == torch.uint8
     assert packed.shape == (3, 40, 48) and scale.shape == (3, 40, 3)
-    d = unpack_fp4_stacked(packed, scale, torch.float32)
+    d = unpack_fp4(packed, scale, torch.float32)
     for e in range(3):  # the same values as the checkpoint format's own encode and decode, row by row
         assert torch.equal(d[e], dequant_fp4(*quant_fp4(w[e]), torch.float32))
     again = pack_fp4_stacked(d)  # FP4 values pack back to themselves: loading a checkpoint's experts is lossless
-    assert torch.equal(unpack_fp4_stacked(*again, torch.float32), d)
+    assert torch.equal(unpack_fp4(*again, torch.float32), d)
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_fp4_stacked(torch.zeros(1, 4, 48))
 
@@ -61,7 +62,7 @@ def test_experts_module_and_grouped_twin_equal_the_dequantised_experts():
     psd = pack_experts({f"x.ffn.experts.{n}": t for n, t in sd.items()})
     packed.use_fp4()
     packed.load_state_dict({k.split(".")[-1]: v for k, v in psd.items()})
-    dense.load_state_dict({n: unpack_fp4_stacked(psd[f"x.ffn.experts.{n}"], psd[f"x.ffn.experts.{n}_scale"],
+    dense.load_state_dict({n: unpack_fp4(psd[f"x.ffn.experts.{n}"], psd[f"x.ffn.experts.{n}_scale"],
                                                  torch.float32) for n in sd})
     assert set(packed.state_dict()) == {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
     x = torch.randn(7, cfg.hidden_size, generator=g)
@@ -98,7 +99,7 @@ def test_a_preset_in_fp4_equals_its_rounded_dequantised_twin():
     for blk in list(a.model.layers) + list(a.model.mtp):
         ex = blk.ffn.experts
         for n in ("w1", "w2", "w3"):
-            getattr(ex, n).copy_(unpack_fp4_stacked(*pack_fp4_stacked(getattr(ex, n)), torch.float32))
+            getattr(ex, n).copy_(unpack_fp4(*pack_fp4_stacked(getattr(ex, n)), torch.float32))
     out = _greedy(b)
     assert out == _greedy(a)
     assert out != _greedy(LLM("tiny", warmup=False))

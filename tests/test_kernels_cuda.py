@@ -182,14 +182,15 @@ def test_grouped_moe_fp4_equals_its_decoded_weights(dtype):
     """Packed FP4 experts decoded in the grouped GEMM's inner loop == the same GEMMs on the decoded weights
     (the decode is exact in bf16, so only the load differs), at Flash's dims, odd batch sizes and a width that
     is not a whole tile (K = 160); and the torch twin agrees."""
-    from dsv4.checkpoint.quant import pack_fp4_stacked, unpack_fp4_stacked
+    from dsv4.checkpoint.quant import pack_fp4_stacked
+    from dsv4.kernels.fp4 import unpack_fp4
     from dsv4.kernels.moe import grouped_experts
 
     g = torch.Generator(device="cuda").manual_seed(1)
     for N, E, k, I, d in ((1, 32, 6, 2048, 4096), (33, 32, 6, 2048, 4096), (5, 8, 2, 96, 160)):
         packed = [pack_fp4_stacked(torch.randn(E, r, c, device="cuda", generator=g) / c ** 0.5)
                   for r, c in ((I, d), (d, I), (I, d))]
-        w1, w2, w3 = (unpack_fp4_stacked(p, s, dtype) for p, s in packed)
+        w1, w2, w3 = (unpack_fp4(p, s, dtype) for p, s in packed)
         x = torch.randn(N, d, device="cuda", generator=g).to(dtype)
         ids = torch.rand(N, E, device="cuda", generator=g).topk(k, dim=1).indices
         w = torch.rand(N, k, device="cuda", generator=g)
@@ -205,7 +206,8 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     """fp32, CUDA graphs: tiny with packed FP4 experts gives the tokens of tiny whose experts are the same
     FP4-rounded weights, dequantised (so the packed kernels run inside the engine's graphs)."""
     from dsv4 import SamplingParams
-    from dsv4.checkpoint.quant import pack_fp4_stacked, unpack_fp4_stacked
+    from dsv4.checkpoint.quant import pack_fp4_stacked
+    from dsv4.kernels.fp4 import unpack_fp4
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, [7] * 3, list(range(2, 90))]
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -215,7 +217,7 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     for blk in list(twin.model.layers) + list(twin.model.mtp):
         for n in ("w1", "w2", "w3"):
             t = getattr(blk.ffn.experts, n)
-            t.copy_(unpack_fp4_stacked(*pack_fp4_stacked(t), t.dtype))
+            t.copy_(unpack_fp4(*pack_fp4_stacked(t), t.dtype))
     out = [o.outputs[0].token_ids for o in packed.generate(prompts, sp)]
     assert packed.engine.runner.graphs.num_replays > 0
     assert out == [o.outputs[0].token_ids for o in twin.generate(prompts, sp)]

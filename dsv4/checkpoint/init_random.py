@@ -57,19 +57,22 @@ def _draw(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Genera
 
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      device="cpu") -> dict[str, torch.Tensor]:
+                      device="cpu", transform=None) -> dict[str, torch.Tensor]:
     """A random model state-dict (model naming, MTP included when the config has it).
 
     Deterministic: one torch.Generator seeded once, tensors drawn in sorted-name order in float32, then
     cast to ``dtype`` (hc_*, attn_sink, ape, gate.bias stay float32; tid2eid is int64). ``device`` picks
     where they are drawn: the same seed gives the same weights on the same device type (a CUDA generator
-    draws other numbers than the CPU one; use it for big benchmark models).
+    draws other numbers than the CPU one; use it for big benchmark models). ``transform(name, tensor)`` -> a
+    dict of tensors to keep in its place, applied as each is drawn (packing the experts of a model whose
+    dequantised experts would not fit).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     schema = checkpoint_schema(cfg, with_mtp=True)
     out = {}
     for name in sorted(schema):
-        out[name] = _draw(name, schema[name], cfg, gen).to(tensor_dtype(name, dtype))
+        t = _draw(name, schema[name], cfg, gen).to(tensor_dtype(name, dtype))
+        out.update(transform(name, t) if transform is not None else {name: t})
     return out
 
 

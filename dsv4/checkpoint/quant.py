@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.fp4 import E2M1_MAGNITUDES, e8m0_to_float, unpack_fp4
+
 FP8_BLOCK = 128  # FP8 weights: one scale per FP8_BLOCK x FP8_BLOCK block
 FP4_BLOCK = 32  # FP4 weights: one scale per FP4_BLOCK inputs of a row
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest e2m1
 
-# e2m1 magnitudes by the low three bits of a nibble; bit 3 is the sign.
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7
 _FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
@@ -46,18 +46,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # e8m0 scales
 # ------------------------------------------------------------------------------------------------
-def e8m0_to_float(t: torch.Tensor) -> torch.Tensor:
-    """Decode e8m0 exponent bytes (uint8 or float8_e8m0fnu) to float32: 2**(byte - 127); byte 255 is NaN.
-
-    Built from the float32 bit pattern, so it is exact down to 2**-127 (a float32 subnormal).
-    """
-    b = _as_bytes(t).to(torch.int32)
-    bits = b << 23  # exponent field of a float32 with zero mantissa: 2**(b - 127) for b in 1..254
-    bits = torch.where(b == 0, torch.full_like(bits, 0x00400000), bits)  # 2**-127: subnormal
-    bits = torch.where(b == 255, torch.full_like(bits, 0x7FC00000), bits)  # NaN
-    return bits.view(torch.float32)
-
-
 def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     """A scale tensor stored as e8m0 (float8_e8m0fnu or uint8) or as a float dtype -> float32."""
     if is_e8m0(scale) or scale.dtype == torch.uint8:
@@ -121,11 +109,6 @@ def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------
 # FP4 e2m1, two per byte, scale per 32 inputs
 # ------------------------------------------------------------------------------------------------
-def _e2m1_table(device) -> torch.Tensor:
-    mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])  # [16]: index = nibble
-
-
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Packed e2m1 pairs [out, in/2] (int8 / uint8 / float4_e2m1fn_x2) with scales [out, in/32] -> [out, in].
 
@@ -138,16 +121,12 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     want = (rows, -(-cols // FP4_BLOCK))
     if tuple(scale.shape) != want:
         raise ValueError(f"FP4 scale has shape {list(scale.shape)}; packed weight {list(b.shape)} needs {list(want)}")
-    lo, hi = (b & 0x0F).long(), (b >> 4).long()  # [out, in/2] each
-    nibbles = torch.stack([lo, hi], dim=-1).view(rows, cols)  # [out, in]: even, odd, even, ...
-    values = _e2m1_table(b.device)[nibbles]
-    s = _scale_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)[:, :cols]  # [out, in]
-    return (values * s).to(dtype)
+    return unpack_fp4(b, scale, dtype)
 
 
 def _nearest_e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """float32 values already divided by their scale (|x| <= 6) -> 4-bit codes (round to nearest magnitude)."""
-    mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=x.device)
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=x.device)
     idx = (x.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # ties go to the smaller magnitude
     sign = ((x < 0) & (idx > 0)).long() << 3  # no negative zero
     return idx | sign
@@ -185,12 +164,9 @@ def pack_fp4_stacked(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     E, rows, cols = w.shape
     if cols % FP4_BLOCK:
         raise ValueError(f"FP4 experts need an input width that is a multiple of {FP4_BLOCK}, got {cols}")
-    packed, scale = quant_fp4(w.reshape(E * rows, cols))
-    return packed.view(torch.uint8).view(E, rows, cols // 2), _as_bytes(scale).view(E, rows, cols // FP4_BLOCK)
-
-
-def unpack_fp4_stacked(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse view of ``pack_fp4_stacked``: [..., out, in/2] bytes and [..., out, in/32] scales -> dtype."""
-    lead, rows, half = packed.shape[:-2], packed.shape[-2], packed.shape[-1]
-    flat = dequant_fp4(packed.reshape(-1, half), scale.reshape(-1, scale.shape[-1]), dtype)
-    return flat.view(*lead, rows, 2 * half)
+    packed = torch.empty(E, rows, cols // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(E, rows, cols // FP4_BLOCK, dtype=torch.uint8, device=w.device)
+    for e in range(E):  # one expert at a time: the encode's temporaries are several times the weight's size
+        p, s = quant_fp4(w[e])
+        packed[e], scale[e] = p.view(torch.uint8), _as_bytes(s)
+    return packed, scale

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.quant import unpack_fp4_stacked
+from .fp4 import unpack_fp4
 from . import HAVE_TRITON, on
 from .swiglu import swiglu_to
 
@@ -145,15 +145,20 @@ if HAVE_TRITON:
     @triton.jit
     def _fp4_tile(W, S, w_base, s_base, stride_wn, stride_sn, offs_n, kk, mask, dtype):
         """[BLOCK_K, BLOCK_N] of W[e].T decoded from packed e2m1 (two inputs per byte, the even one in the
-        lower nibble) times its e8m0 scale (one byte per 32 inputs): the twin is ``unpack_fp4_stacked``."""
+        lower nibble) times its e8m0 scale (one byte 2**(b-127) per 32 inputs); the twin is
+        ``unpack_fp4``. Built as float32 bits, no table or exp2: an e2m1 code s|e1e0|m is
+        (-1)**s * 2**(e-1) * (1 + m/2) for e > 0 and (-1)**s * m/2 for e = 0, so with the scale the float32
+        exponent field is e + b - 1 (e = 0, m = 1 included: 0.5 * 2**(b-127)) and the top mantissa bit is m
+        where e > 0. Values below float32's normal range (scale bytes under 2) flush to zero."""
         byte = tl.load(W + w_base + offs_n[None, :] * stride_wn + (kk // 2)[:, None], mask=mask, other=0)
         nib = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 0xF
-        ex = (nib >> 1) & 3
-        half = (nib & 1).to(tl.float32) * 0.5
-        mag = tl.where(ex == 0, half, (1.0 + half) * tl.exp2((ex - 1).to(tl.float32)))  # 0 .5 1 1.5 2 3 4 6
-        val = tl.where((nib & 8) != 0, -mag, mag)
         sb = tl.load(S + s_base + offs_n[None, :] * stride_sn + (kk // 32)[:, None], mask=mask, other=127)
-        return (val * tl.exp2(sb.to(tl.float32) - 127.0)).to(dtype)
+        ex = (nib >> 1) & 3
+        field = ex + sb.to(tl.int32) - 1
+        sign = (nib & 8) << 28
+        bits = sign | (field << 23) | (tl.where(ex > 0, nib & 1, 0) << 22)
+        bits = tl.where(((nib & 7) != 0) & (field > 0), bits, sign)
+        return bits.to(tl.float32, bitcast=True).to(dtype)
 
     @triton.jit
     def _grouped_gemm_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, stride_wk, C, stride_cm,
@@ -228,7 +233,7 @@ def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scal
         sl = slice(b * BLOCK_M, (b + 1) * BLOCK_M)
         r = rows[sl]
         src = a[r.clamp(min=0)] if gather else a[sl]
-        we = w[e] if scale is None else unpack_fp4_stacked(w[e], scale[e], a.dtype)
+        we = w[e] if scale is None else unpack_fp4(w[e], scale[e], a.dtype)
         out[sl] = torch.where((r >= 0)[:, None], src @ we.t(), 0).to(a.dtype)
     return out
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..checkpoint.names import is_stacked_expert
-from ..checkpoint.quant import FP4_BLOCK, pack_fp4_stacked, unpack_fp4_stacked
+from ..checkpoint.quant import FP4_BLOCK, pack_fp4_stacked
+from ..kernels.fp4 import unpack_fp4
 
 EXPERT_FORMATS = ("dequantized", "fp4")
 NAMES = ("w1", "w2", "w3")
@@ -54,7 +55,7 @@ class StackedExperts(nn.Module):
         w = getattr(self, name)[e]
         if not self.fp4:
             return w
-        return unpack_fp4_stacked(w, getattr(self, name + SCALE_SUFFIX)[e], dtype)
+        return unpack_fp4(w, getattr(self, name + SCALE_SUFFIX)[e], dtype)
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(w1, w2, w3) scale bytes for the grouped GEMM, None when the weights are not packed."""
@@ -63,6 +64,11 @@ class StackedExperts(nn.Module):
 
 def is_scale_key(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX) and is_stacked_expert(name[: -len(SCALE_SUFFIX)])
+
+
+def is_expert_tensor(name: str) -> bool:
+    """A stacked routed-expert tensor [E, ...]: a weight, or the scale of a packed one."""
+    return is_stacked_expert(name) or is_scale_key(name)
 
 
 def is_packed(state_dict: dict) -> bool:
@@ -83,11 +89,16 @@ def pack_experts(state_dict: dict) -> dict:
     its ``_scale`` tensor; one tensor at a time, its dequantised form released as it goes. Others unchanged."""
     out = {}
     for name in list(state_dict):
-        t = state_dict.pop(name)
-        if is_stacked_expert(name):
-            t, out[name + SCALE_SUFFIX] = pack_fp4_stacked(t)
-        out[name] = t
+        out.update(pack_tensor(name, state_dict.pop(name)))
     return out
+
+
+def pack_tensor(name: str, t: torch.Tensor) -> dict:
+    """{name: t}, or for a stacked routed-expert weight its packed bytes and ``_scale``."""
+    if not is_stacked_expert(name):
+        return {name: t}
+    packed, scale = pack_fp4_stacked(t)
+    return {name: packed, name + SCALE_SUFFIX: scale}
 
 
 def adopt_layout(model: nn.Module, state_dict: dict) -> None:

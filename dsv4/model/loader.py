@@ -7,9 +7,8 @@ import torch
 from ..builtin import resolve_model
 from ..checkpoint.init_random import random_state_dict
 from ..checkpoint.io import read_state_dict
-from ..checkpoint.names import is_stacked_expert
 from ..config import ModelConfig, get_preset, is_checkpoint_dir, is_preset, load_config
-from .expert_weights import EXPERT_FORMATS, adopt_layout, check_fp4_shapes, pack_experts
+from .expert_weights import EXPERT_FORMATS, adopt_layout, check_fp4_shapes, is_expert_tensor, pack_experts, pack_tensor
 from .model import DeepseekV4
 
 
@@ -53,23 +52,24 @@ def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert_format {expert_format!r}: use one of {', '.join(EXPERT_FORMATS)}")
     checkpoint_dir = resolve_model(checkpoint_dir)
+    if not (is_checkpoint_dir(checkpoint_dir) or is_preset(checkpoint_dir)):
+        raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
+    cfg = load_config(checkpoint_dir) if is_checkpoint_dir(checkpoint_dir) else get_preset(checkpoint_dir)
+    fp4 = expert_format == "fp4"
+    if fp4:
+        check_fp4_shapes(cfg.hidden_size, cfg.moe_inter_dim)
     if is_checkpoint_dir(checkpoint_dir):
-        cfg = load_config(checkpoint_dir)
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp,
                                       experts=experts)
-    elif is_preset(checkpoint_dir):
-        cfg = get_preset(checkpoint_dir)
-        has_mtp = cfg.has_mtp if with_mtp is None else with_mtp
-        # big presets draw on the GPU when the model goes there (seconds instead of minutes); every expert is
-        # drawn (the same weights as one process), then the share is kept
-        sd = random_state_dict(cfg, seed=seed, dtype=dtype, device=device if str(device).startswith("cuda") else "cpu")
-        if not has_mtp:
-            sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
-        if experts is not None:
-            sd = {k: (v[experts.start:experts.stop].clone() if is_stacked_expert(k) else v) for k, v in sd.items()}
-    else:
-        raise FileNotFoundError(f"{checkpoint_dir!r} is neither a checkpoint directory nor a preset name")
-    if expert_format == "fp4":
-        check_fp4_shapes(cfg.hidden_size, cfg.moe_inter_dim)
-        sd = pack_experts(sd)
+        return cfg, pack_experts(sd) if fp4 else sd, has_mtp
+    has_mtp = cfg.has_mtp if with_mtp is None else with_mtp
+    # big presets draw on the GPU when the model goes there (seconds instead of minutes); every expert is
+    # drawn (the same weights as one process), then the share is kept. Packed experts are packed as they are
+    # drawn, one stacked tensor at a time (a model whose dequantised experts would not fit still loads).
+    sd = random_state_dict(cfg, seed=seed, dtype=dtype, device=device if str(device).startswith("cuda") else "cpu",
+                           transform=pack_tensor if fp4 else None)
+    if not has_mtp:
+        sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    if experts is not None:
+        sd = {k: (v[experts.start:experts.stop].clone() if is_expert_tensor(k) else v) for k, v in sd.items()}
     return cfg, sd, has_mtp
