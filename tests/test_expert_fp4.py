@@ -91,6 +91,29 @@ def test_a_fp4_checkpoint_gives_the_same_logits_and_tokens_packed_or_dequantised
     assert _greedy(a) == _greedy(b)
 
 
+def test_a_checkpoint_s_fp4_experts_are_read_as_stored(fp4_checkpoint, monkeypatch):
+    """No decode and re-encode: the stacked bytes are the file's bytes, for every expert and for an
+    expert-parallel share, and nothing is quantised on the way."""
+    import os
+
+    from safetensors import safe_open
+
+    import dsv4.checkpoint.quant as quant
+    from dsv4.model.loader import load_state
+
+    monkeypatch.setattr(quant, "quant_fp4", lambda *a: pytest.fail("an FP4 expert was re-encoded"))
+    with safe_open(os.path.join(fp4_checkpoint, "model.safetensors"), "pt") as f:
+        file = {k: f.get_tensor(k) for k in f.keys() if ".ffn.experts." in k}
+    for experts in (None, range(4, 8)):
+        _, sd, _ = load_state(fp4_checkpoint, expert_format="fp4", experts=experts)
+        first = 0 if experts is None else experts.start
+        w2, s2 = sd["layers.2.ffn.experts.w2"], sd["layers.2.ffn.experts.w2_scale"]
+        assert w2.dtype == s2.dtype == torch.uint8 and w2.shape[0] == (8 if experts is None else 4)
+        for i in range(w2.shape[0]):
+            assert torch.equal(w2[i], file[f"layers.2.ffn.experts.{first + i}.w2.weight"].view(torch.uint8))
+            assert torch.equal(s2[i], file[f"layers.2.ffn.experts.{first + i}.w2.scale"].view(torch.uint8))
+
+
 def test_a_preset_in_fp4_equals_its_rounded_dequantised_twin():
     """Random bf16-style weights are rounded to FP4: the packed engine equals an engine whose experts are the
     rounded weights decoded (and differs from the unrounded one, so the comparison can fail)."""

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from ..config import ModelConfig, load_config
 from .names import (detect_naming, deepseek_to_model, hf_items_to_deepseek,
                     is_fused_hf_expert, model_to_deepseek, model_to_hf, split_expert_key, to_deepseek_name)
-from .quant import FP8_BLOCK, dequant_fp4, dequant_fp8_block, is_fp4_packed, quant_fp4, quant_fp8_block
+from .quant import (FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8_block, is_e8m0, is_fp4_packed, quant_fp4,
+                    quant_fp8_block)
 from .schema import CheckpointError, tensor_dtype, validate_state_dict
 
 __all__ = ["CheckpointError", "read_state_dict", "load_checkpoint", "write_checkpoint"]
@@ -134,15 +135,35 @@ class _Reader:
             return self.where[name].get_tensor(name)
         return self.where[name].get_slice(name)[rows.start:rows.stop]
 
-    def items(self, names, naming: str, dtype: torch.dtype, device, experts: range | None = None):
-        """``experts``: transformers' fused expert tensors ([E, ...]) are read for these experts only."""
+    def items(self, names, naming: str, dtype: torch.dtype, device, experts: range | None = None,
+              keep_fp4: bool = False):
+        """``experts``: transformers' fused expert tensors ([E, ...]) are read for these experts only.
+        ``keep_fp4``: a routed expert stored as packed FP4 with e8m0 scales (DeepSeek naming) comes as its
+        bytes and its scale's bytes, undecoded (``_kept_fp4``)."""
         for name in names:
             rows = experts if experts is not None and naming == "hf" and is_fused_hf_expert(name) else None
             raw = self._get(name, rows).to(device)
-            scale = self.scales.get(name)
-            scale = None if scale is None else self._get(scale, rows).to(device)
+            scale_name = self.scales.get(name)
+            scale = None if scale_name is None else self._get(scale_name, rows).to(device)
             ds_name = to_deepseek_name(name, naming)
+            if keep_fp4 and naming == "deepseek" and _kept_fp4(name, raw, scale):
+                yield name, raw.view(torch.uint8)
+                yield scale_name, scale.view(torch.uint8)
+                continue
             yield (name if naming == "hf" else ds_name), _decode(name, raw, scale, tensor_dtype(ds_name, dtype))
+
+
+def _kept_fp4(name: str, raw: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """A per-expert weight the engine can keep as the file stores it: packed FP4 [out, in/2] with e8m0 scale
+    bytes [out, in/32] (a float ``_scale_inv`` or another layout is decoded instead)."""
+    if scale is None or split_expert_key(name) is None or raw.dim() != 2 or not is_fp4_packed(raw):
+        return False
+    if not (is_e8m0(scale) or scale.dtype == torch.uint8) or (2 * raw.shape[1]) % FP4_BLOCK:
+        return False
+    if tuple(scale.shape) != (raw.shape[0], 2 * raw.shape[1] // FP4_BLOCK):
+        raise CheckpointError(f"tensor {name!r}: FP4 scale has shape {list(scale.shape)}; packed weight"
+                              f" {list(raw.shape)} needs {[raw.shape[0], 2 * raw.shape[1] // FP4_BLOCK]}")
+    return True
 
 
 def _other_expert(name: str, n_experts: int, experts: range) -> bool:
@@ -152,8 +173,8 @@ def _other_expert(name: str, n_experts: int, experts: range) -> bool:
 
 
 def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                    device="cpu", with_mtp: bool | None = None,
-                    experts: range | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+                    device="cpu", with_mtp: bool | None = None, experts: range | None = None,
+                    keep_fp4: bool = False) -> tuple[dict[str, torch.Tensor], bool]:
     """Read a checkpoint directory into the model state-dict; returns (state_dict, has_mtp).
 
     * Files: ``*.safetensors``, single or sharded (``model.safetensors.index.json``); pickle is refused.
@@ -164,6 +185,9 @@ def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = 
       A file without any ``mtp.*`` tensor gives has_mtp=False; a partial MTP layer is an error.
     * experts: only these routed experts are read (an expert-parallel rank's share; the stacked tensors
       are then [len(experts), ...], expert ``experts.start`` first); the other experts' bytes are never read.
+    * keep_fp4: routed experts the file holds as packed FP4 with e8m0 scales (DeepSeek naming) stay so,
+      stacked as the engine's ``fp4`` expert format keeps them (``w1`` [E, I, d/2] bytes and ``w1_scale``
+      [E, I, d/32]), not decoded; other experts are decoded as usual.
     Any missing, unexpected or mis-shaped tensor raises CheckpointError naming it.
     """
     E = cfg.n_routed_experts
@@ -176,7 +200,7 @@ def read_state_dict(checkpoint_dir: str, cfg: ModelConfig, dtype: torch.dtype = 
         has_mtp = _resolve_mtp(cfg, any(n.startswith(_MTP) for n in names), with_mtp)
         names = [n for n in names if (has_mtp or not n.startswith(_MTP))
                  and not (experts is not None and _other_expert(to_deepseek_name(n, naming), E, experts))]
-        items = reader.items(names, naming, dtype, device, experts)
+        items = reader.items(names, naming, dtype, device, experts, keep_fp4=keep_fp4)
         pairs = hf_items_to_deepseek(items) if naming == "hf" else items
         state_dict = deepseek_to_model(pairs, E, experts)
     validate_state_dict(state_dict, cfg, with_mtp=has_mtp, num_experts=None if experts is None else len(experts))

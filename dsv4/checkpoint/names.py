@@ -21,7 +21,8 @@ import torch
 
 from .schema import MTP_PREFIX, CheckpointError
 
-_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")  # deepseek per-expert key
+# deepseek per-expert key; its ``.scale`` stacks too where the engine keeps the experts packed (``w1_scale``)
+_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 _STACKED_KEY = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")  # model stacked key
 
 # ---- deepseek <-> hf, top level
@@ -143,9 +144,12 @@ def expert_key(stacked_name: str, expert: int) -> str:
 
 
 def split_expert_key(name: str) -> tuple[str, int] | None:
-    """``layers.0.ffn.experts.3.w1.weight`` -> (``layers.0.ffn.experts.w1``, 3); None for other names."""
+    """``layers.0.ffn.experts.3.w1.weight`` -> (``layers.0.ffn.experts.w1``, 3), its ``.scale`` ->
+    (``layers.0.ffn.experts.w1_scale``, 3); None for other names."""
     m = _EXPERT_KEY.match(name)
-    return (f"{m.group(1)}.{m.group(3)}", int(m.group(2))) if m else None
+    if not m:
+        return None
+    return f"{m.group(1)}.{m.group(3)}" + ("_scale" if m.group(4) == "scale" else ""), int(m.group(2))
 
 
 def is_stacked_expert(name: str) -> bool:

@@ -159,6 +159,9 @@ def validate_state_dict(state_dict, cfg: ModelConfig, with_mtp: bool, num_expert
     want = checkpoint_schema(cfg, with_mtp)
     if num_experts is not None:
         want = {k: ((num_experts,) + v[1:] if _STACKED_EXPERTS.search(k) else v) for k, v in want.items()}
+    for k in [k for k in want if _STACKED_EXPERTS.search(k) and k + "_scale" in state_dict]:  # kept packed FP4
+        E, rows, cols = want[k]
+        want[k], want[k + "_scale"] = (E, rows, cols // 2), (E, rows, cols // 32)
     problems = []
     for name in sorted(set(want) - set(state_dict)):
         problems.append(f"missing tensor {_describe(name)} of shape {list(want[name])}")

@@ -7,9 +7,10 @@
   bf16 bytes plus 1/64 for the scales. The grouped GEMM decodes them in its inner loop (weight-only: the products
   are the dequantised weights' products, exact in bf16), the CPU loop decodes one expert at a time.
 
-The format travels with the state dict: ``pack_experts`` turns the dequantised stacked tensors into packed ones
-(and their ``_scale`` tensors), and a model built from such a state dict switches its expert modules to the
-packed layout (``adopt_layout``) before adopting the tensors.
+The format travels with the state dict: a checkpoint's FP4 experts are read as the file stores them (DeepSeek
+naming, e8m0 scales: no decode), ``pack_experts`` packs any others (a bf16 checkpoint, a preset's random draw),
+and a model built from such a state dict switches its expert modules to the packed layout (``adopt_layout``)
+before adopting the tensors.
 """
 
 from __future__ import annotations
@@ -86,10 +87,13 @@ def check_fp4_shapes(hidden_size: int, inter: int, where: str = "") -> None:
 
 def pack_experts(state_dict: dict) -> dict:
     """The stacked routed experts of a model-named state dict as packed FP4 (``pack_fp4_stacked``), each with
-    its ``_scale`` tensor; one tensor at a time, its dequantised form released as it goes. Others unchanged."""
+    its ``_scale`` tensor; one tensor at a time, its dequantised form released as it goes. Experts read packed
+    already (``read_state_dict(keep_fp4=True)``: they have their ``_scale``) and all other tensors unchanged."""
     out = {}
     for name in list(state_dict):
-        out.update(pack_tensor(name, state_dict.pop(name)))
+        t = state_dict.pop(name)
+        kept = name + SCALE_SUFFIX in state_dict or name + SCALE_SUFFIX in out  # read packed already
+        out.update({name: t} if kept else pack_tensor(name, t))
     return out
 
 

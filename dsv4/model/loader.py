@@ -60,7 +60,7 @@ def load_state(checkpoint_dir: str, device="cpu", dtype: torch.dtype = torch.flo
         check_fp4_shapes(cfg.hidden_size, cfg.moe_inter_dim)
     if is_checkpoint_dir(checkpoint_dir):
         sd, has_mtp = read_state_dict(checkpoint_dir, cfg, dtype=dtype, device="cpu", with_mtp=with_mtp,
-                                      experts=experts)
+                                      experts=experts, keep_fp4=fp4)
         return cfg, pack_experts(sd) if fp4 else sd, has_mtp
     has_mtp = cfg.has_mtp if with_mtp is None else with_mtp
     # big presets draw on the GPU when the model goes there (seconds instead of minutes); every expert is
