@@ -1,7 +1,8 @@
 """The routed experts' grouped GEMM at decode shapes, for several tile configurations: time (CUDA events around
 20 back-to-back launches, median of 5 such samples), bytes of expert weights read, and the share of the measured copy bandwidth.
 The default configurations (dsv4.kernels.moe.GEMM_CONFIG for w1/w3, GEMM_CONFIG_SORTED for w2) are marked. Flash dimensions (d 4096, moe_inter_dim
-2048, 6 of 32 experts per token), bf16."""
+2048, 6 of 32 experts per token), bf16; ``--fp4``: the weights packed FP4 (decoded in the GEMM), their bytes
+(codes and scales) counted as stored."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import itertools
 import torch
 from common import copy_bandwidth, report, table
 
+from dsv4.checkpoint.quant import pack_fp4_stacked
 from dsv4.kernels.moe import GEMM_CONFIG, GEMM_CONFIG_SORTED, _grouped_gemm, align
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--fp4", action="store_true", help="packed FP4 weights")
     ap.add_argument("--append", default=None, help="append the table to this markdown file")
     a = ap.parse_args()
     E, k, d, I = 32, 6, 4096, 2048
@@ -24,6 +27,10 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = torch.randn(E, I, d, device="cuda", generator=g, dtype=torch.bfloat16)
     w2 = torch.randn(E, d, I, device="cuda", generator=g, dtype=torch.bfloat16)
+    scales = {}
+    if a.fp4:
+        (w1, scales["w1"]), (w2, scales["w2"]) = pack_fp4_stacked(w1), pack_fp4_stacked(w2)
+    per_weight = (0.5 + 1 / 32) if a.fp4 else 2
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
                for bn, bk, nw, ns in itertools.product((16, 32, 64, 128), (64, 128), (4,), (3, 4))]
     rows = []
@@ -34,12 +41,13 @@ def main():
         x = torch.randn(B, d, device="cuda", generator=g, dtype=torch.bfloat16)
         h = torch.randn(m_pad, I, device="cuda", generator=g, dtype=torch.bfloat16)
         distinct = ids.unique().numel()
-        for name, fn_w, gather, inp in (("w1 (d -> I)", w1, True, x), ("w2 (I -> d)", w2, False, h)):
-            nbytes = distinct * fn_w.shape[1] * fn_w.shape[2] * 2
+        for name, fn_w, sc, gather, inp in (("w1 (d -> I)", w1, scales.get("w1"), True, x),
+                                            ("w2 (I -> d)", w2, scales.get("w2"), False, h)):
+            nbytes = distinct * I * d * per_weight  # w1 [E, I, d] and w2 [E, d, I] alike
             results = []
             for c in configs:
                 try:
-                    fn = lambda: _grouped_gemm(inp, r, fn_w, be, gather, m_pad, c)  # noqa: E731
+                    fn = lambda: _grouped_gemm(inp, r, fn_w, be, gather, m_pad, c, scale=sc)  # noqa: E731
                     fn()
                     torch.cuda.synchronize()
                     times = []
@@ -64,7 +72,8 @@ def main():
             rows.append([B, name, "default " + "/".join(str(chosen[k_]) for k_ in
                                                          ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")),
                          round(default, 1), f"{nbytes / (default * 1e-6) / bw * 100:.0f}%", "default"])
-    report("Grouped expert GEMM tile configurations at decode shapes (best three and the default)",
+    report("Grouped expert GEMM tile configurations at decode shapes (best three and the default)"
+           + (", packed FP4 weights" if a.fp4 else ""),
            table(["batch", "GEMM", "BLOCK_N/BLOCK_K/warps/stages", "us", "of copy bandwidth", ""], rows),
            a.append, notes=f"Copy bandwidth {bw / 1e12:.2f} TB/s (read + write), the same measure decode_floor.py "
                            "divides by.")

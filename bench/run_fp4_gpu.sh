@@ -18,7 +18,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 cd bench
-for b in "decode_floor.py --preset flash-L4-E32" "decode_floor.py --preset flash-L4-E32 --expert-format fp4" \
+for b in "grouped_gemm_configs.py --fp4" "decode_floor.py --preset flash-L4-E32" \
+         "decode_floor.py --preset flash-L4-E32 --expert-format fp4" \
          "decode_floor.py --preset flash-E128 --expert-format fp4 --steps 10"; do
   echo "== $b"
   timeout "${BENCH_TIMEOUT:-300}" python3 $b --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warning | tail -12
