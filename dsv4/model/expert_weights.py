@@ -58,6 +58,10 @@ class StackedExperts(nn.Module):
             return w
         return unpack_fp4(w, getattr(self, name + SCALE_SUFFIX)[e], dtype)
 
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s (w1, w2, w3) in ``dtype`` (``expert_weight`` of each)."""
+        return tuple(self.expert_weight(n, e, dtype) for n in NAMES)
+
     def scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(w1, w2, w3) scale bytes for the grouped GEMM, None when the weights are not packed."""
         return tuple(getattr(self, n + SCALE_SUFFIX) for n in NAMES) if self.fp4 else None

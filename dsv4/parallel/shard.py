@@ -158,7 +158,7 @@ class ParallelExperts(StackedExperts):
             if c:
                 seg = slice(start, start + c)
                 # routing weight before w2, as the single-device path does
-                w1, w2, w3 = (self.expert_weight(n, e, x.dtype) for n in ("w1", "w2", "w3"))
+                w1, w2, w3 = self.expert_weights(e, x.dtype)
                 h = swiglu_to(xs[seg] @ w1.t(), xs[seg] @ w3.t(), self.limit, ws[seg, 0], x.dtype)
                 y.index_add_(0, tok[seg], (h @ w2.t()).float())
                 start += c
