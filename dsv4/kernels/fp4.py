@@ -1,5 +1,6 @@
 """FP4 e2m1 weights with e8m0 scales, decoded in plain torch: the twin of the grouped GEMM's in-loop decode
-(``moe._fp4_tile``) and the decoder of the checkpoint format (``dsv4.checkpoint.quant.dequant_fp4``).
+(``moe._e2m1`` and the scale per 32 inputs) and the decoder of the checkpoint format
+(``dsv4.checkpoint.quant.dequant_fp4``).
 
 Two codes per byte, the LOWER nibble the even input; bit 3 of a nibble is the sign, bits 0-2 index the
 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6). One scale byte per 32 inputs of a row: 2**(byte - 127)."""

@@ -25,12 +25,27 @@ from . import HAVE_TRITON, on
 from .swiglu import swiglu_to
 
 BLOCK_M = 16
+# Rows per block for big steps (prefill chunks): once the pairs average 64 rows per expert, every row block
+# reads its expert's weight tile once per 64 rows instead of 16 (a quarter of the weight traffic, the tensor
+# cores' larger tiles). Smaller steps keep 16 rows: padding each expert's rows to 64 would be work for nothing.
+PREFILL_BLOCK_M = 64
+# tiles for 64-row blocks (bf16; fp32 and packed FP4 weights keep their own)
+GEMM_CONFIG_PREFILL = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 # tile choices measured by bench/grouped_gemm_configs.py on the H200 at batch 1 and 32 (BENCHMARKS.md): the
 # gathering GEMMs (w1, w3) and the sorted-row GEMM (w2) differ
 GEMM_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 GEMM_CONFIG_SORTED = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 COMBINE_BLOCK = 1024
 GEMM_CONFIG_FP32 = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fp32 tiles: half the shared memory
+# packed FP4 weights (any activation dtype): BLOCK_K a multiple of 32, one scale group per inner step
+GEMM_CONFIG_FP4 = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def block_m_for(num_pairs: int, num_experts: int, invariant: bool = False) -> int:
+    """Rows per block of a grouped GEMM over ``num_pairs`` (token, choice) pairs: PREFILL_BLOCK_M once they
+    average that many per expert, else BLOCK_M (always under batch invariance: a row's sums then do not
+    depend on the step's size)."""
+    return PREFILL_BLOCK_M if not invariant and num_pairs >= PREFILL_BLOCK_M * num_experts else BLOCK_M
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -143,21 +158,14 @@ if HAVE_TRITON:
         tl.store(BLOCK_EXPERT + b, be.to(tl.int64), mask=start < m_pad)
 
     @triton.jit
-    def _fp4_tile(W, S, w_base, s_base, stride_wn, stride_sn, offs_n, kk, mask, dtype):
-        """[BLOCK_K, BLOCK_N] of W[e].T decoded from packed e2m1 (two inputs per byte, the even one in the
-        lower nibble) times its e8m0 scale (one byte 2**(b-127) per 32 inputs); the twin is
-        ``unpack_fp4``. Built as float32 bits, no table or exp2: an e2m1 code s|e1e0|m is
-        (-1)**s * 2**(e-1) * (1 + m/2) for e > 0 and (-1)**s * m/2 for e = 0, so with the scale the float32
-        exponent field is e + b - 1 (e = 0, m = 1 included: 0.5 * 2**(b-127)) and the top mantissa bit is m
-        where e > 0. Values below float32's normal range (scale bytes under 2) flush to zero."""
-        byte = tl.load(W + w_base + offs_n[None, :] * stride_wn + (kk // 2)[:, None], mask=mask, other=0)
-        nib = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 0xF
-        sb = tl.load(S + s_base + offs_n[None, :] * stride_sn + (kk // 32)[:, None], mask=mask, other=127)
+    def _e2m1(nib, dtype):
+        """e2m1 codes (int32 nibbles s|e1e0|m) -> their values in ``dtype``, built as float32 bits (no table, no
+        exp2): (-1)**s * 2**(e-1) * (1 + m/2) for e > 0 (exponent field e + 126, top mantissa bit m), and
+        (-1)**s * m/2 for e = 0 (0.5: field 126). Exact in bf16; the twin is ``fp4.unpack_fp4``."""
         ex = (nib >> 1) & 3
-        field = ex + sb.to(tl.int32) - 1
-        sign = (nib & 8) << 28
-        bits = sign | (field << 23) | (tl.where(ex > 0, nib & 1, 0) << 22)
-        bits = tl.where(((nib & 7) != 0) & (field > 0), bits, sign)
+        m = nib & 1
+        field = tl.where(ex > 0, ex + 126, m * 126)
+        bits = ((nib & 8) << 28) | (field << 23) | (tl.where(ex > 0, m, 0) << 22)
         return bits.to(tl.float32, bitcast=True).to(dtype)
 
     @triton.jit
@@ -166,7 +174,9 @@ if HAVE_TRITON:
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              IEEE: tl.constexpr, FP4: tl.constexpr):
         """C[rows of block] = A[rows] @ W[e].T for the expert e of this row block. ``FP4``: W holds packed
-        e2m1 bytes [E, N, K/2] and S their scale bytes [E, N, K/32], decoded per tile (weight-only)."""
+        e2m1 bytes [E, N, K/2] and S their scale bytes [E, N, K/32], decoded per 32 inputs (weight-only). A
+        scale byte of 0 (2**-127, below float32's normal range; real weights never have it) gives 0 here and
+        its value in the twin."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
@@ -181,30 +191,51 @@ if HAVE_TRITON:
         else:
             src = offs_m
             row_ok = tl.load(ROWS + offs_m) >= 0
-        a_ptrs = A + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        w_ptrs = W + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        w_base = e.to(tl.int64) * stride_we
-        s_base = e.to(tl.int64) * stride_se
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP4:
-                w = _fp4_tile(W, S, w_base, s_base, stride_wn, stride_sn, offs_n, k0 + offs_k,
-                              k_ok[:, None] & (offs_n[None, :] < N), a.dtype)
-            else:
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            if IEEE:  # fp32 models: exact fp32 products, not TF32
-                acc += tl.dot(a, w, input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
+        n_ok = offs_n < N
+        if FP4:
+            # per 32 inputs (one scale each): the 16 code bytes of every output n, contiguous (vector loads);
+            # the low nibbles multiply the even inputs, the high ones the odd inputs (two K = 16 products, so
+            # no interleave), and the scale multiplies the group's sum (a power of two: exact)
+            j = tl.arange(0, 16)
+            w_rows = W + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+            s_rows = S + e.to(tl.int64) * stride_se + offs_n * stride_sn
+            a_rows = A + src.to(tl.int64)[:, None] * stride_am
+            for k0 in range(0, K, BLOCK_K):
+                for gi in tl.static_range(BLOCK_K // 32):
+                    kg = k0 + gi * 32
+                    g_ok = kg < K  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
+                    a_even = tl.load(a_rows + (kg + 2 * j)[None, :], mask=row_ok[:, None] & g_ok, other=0.0)
+                    a_odd = tl.load(a_rows + (kg + 2 * j + 1)[None, :], mask=row_ok[:, None] & g_ok, other=0.0)
+                    codes = tl.load(w_rows + (kg // 2 + j)[:, None], mask=n_ok[None, :] & g_ok, other=0).to(tl.int32)
+                    lo = _e2m1(codes & 0xF, a_even.dtype)
+                    hi = _e2m1(codes >> 4, a_even.dtype)
+                    if IEEE:
+                        part = tl.dot(a_even, lo, input_precision="ieee")
+                        part = tl.dot(a_odd, hi, part, input_precision="ieee")
+                    else:
+                        part = tl.dot(a_even, lo)
+                        part = tl.dot(a_odd, hi, part)
+                    sb = tl.load(s_rows + kg // 32, mask=n_ok & g_ok, other=127).to(tl.int32)
+                    acc += part * (sb << 23).to(tl.float32, bitcast=True)[None, :]  # 2**(b-127); b = 0 -> 0
+        else:
+            a_ptrs = A + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+            w_ptrs = W + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = (k0 + offs_k) < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if IEEE:  # fp32 models: exact fp32 products, not TF32
+                    acc += tl.dot(a, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(a, w)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K * stride_wk
         c_ptrs = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=offs_n[None, :] < N)
 
     def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int, config: dict | None = None,
-                      scale: torch.Tensor | None = None):
+                      scale: torch.Tensor | None = None, block_m: int = BLOCK_M):
         """out [m_pad, n] (sorted layout) = a[rows] @ w[e].T per row block. ``config``: BLOCK_N, BLOCK_K,
         num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices). ``scale``: w is packed
         FP4 [E, n, k/2] with these scale bytes [E, n, k/32]."""
@@ -213,24 +244,28 @@ if HAVE_TRITON:
             kdim *= 2
         s = scale if scale is not None else w  # unused without FP4
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
-        base = GEMM_CONFIG_FP32 if a.element_size() > 2 else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED
+        base = (GEMM_CONFIG_FP4 if scale is not None else GEMM_CONFIG_FP32 if a.element_size() > 2
+                else GEMM_CONFIG_PREFILL if block_m > BLOCK_M else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED)
         c = dict(base, **(config or {}))
-        grid = (m_pad // BLOCK_M, triton.cdiv(n, c["BLOCK_N"]))
+        if scale is not None and c["BLOCK_K"] % 32:
+            raise ValueError(f"packed FP4 weights need BLOCK_K a multiple of 32, got {c['BLOCK_K']}")
+        grid = (m_pad // block_m, triton.cdiv(n, c["BLOCK_N"]))
         _grouped_gemm_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), w.stride(2), out,
                                    out.stride(0), block_expert, n, kdim, s, s.stride(0), s.stride(1),
-                                   GATHER=gather, BLOCK_M=BLOCK_M, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                                   GATHER=gather, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                                    IEEE=a.dtype == torch.float32, FP4=scale is not None,
                                    num_warps=c["num_warps"], num_stages=c["num_stages"])
         return out
 
 
-def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor | None = None):
+def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor | None = None,
+                        block_m: int = BLOCK_M):
     """Plain-torch twin of the Triton grouped GEMM (same sorted layout), used off the GPU."""
     out = torch.zeros(m_pad, w.shape[1], dtype=a.dtype, device=a.device)
     for b, e in enumerate(block_expert.tolist()):
         if e < 0:
             continue
-        sl = slice(b * BLOCK_M, (b + 1) * BLOCK_M)
+        sl = slice(b * block_m, (b + 1) * block_m)
         r = rows[sl]
         src = a[r.clamp(min=0)] if gather else a[sl]
         we = w[e] if scale is None else unpack_fp4(w[e], scale[e], a.dtype)
@@ -240,30 +275,33 @@ def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scal
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, limit: float,
-                    keep: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
+                    keep: torch.Tensor | None = None, scales: tuple | None = None,
+                    invariant: bool = False) -> torch.Tensor:
     """Routed-expert output [N, d] fp32 (same contract as Experts.forward), no host sync on CUDA.
 
     ``keep`` [N, k] bool (expert parallelism): pairs with ``keep`` False belong to experts of other ranks.
     They are laid out as one extra expert E whose row blocks are skipped (no GEMM work) and contribute 0;
     their ``ids`` may be anything (clamped into range). Shapes stay static: still graph-safe. ``scales``
-    (w1, w2, w3 scale bytes): the weights are packed FP4 (``dsv4.model.expert_weights``)."""
+    (w1, w2, w3 scale bytes): the weights are packed FP4 (``dsv4.model.expert_weights``). ``invariant``: row
+    blocks of BLOCK_M whatever the step's size (``block_m_for``; batch invariance)."""
     N, k = ids.shape
     E = w1.shape[0]
+    bm = block_m_for(N * k, E, invariant)
     if keep is None:
-        rows, pair_pos, block_expert = align(ids, E)
+        rows, pair_pos, block_expert = align(ids, E, bm)
     else:
-        rows, pair_pos, block_expert = align(torch.where(keep, ids.clamp(0, E - 1), E), E + 1)
+        rows, pair_pos, block_expert = align(torch.where(keep, ids.clamp(0, E - 1), E), E + 1, bm)
         block_expert = torch.where(block_expert == E, -1, block_expert)  # the other ranks' pairs: skipped
     m_pad = rows.shape[0]
     x = x.contiguous()
     gemm = _grouped_gemm if on(x) else _grouped_gemm_torch
     s1, s2, s3 = scales if scales is not None else (None, None, None)
-    g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1)  # [m_pad, I]
-    u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3)
+    g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm)  # [m_pad, I]
+    u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm)
     w_sorted = torch.zeros(m_pad, dtype=torch.float32, device=x.device)
     w_sorted[pair_pos] = weights.flatten().float()
     h = swiglu_to(g, u, limit, w_sorted, x.dtype)  # routing weight before w2, as DeepSeek
-    y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2)  # [m_pad, d]
+    y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm)  # [m_pad, d]
     if on(x):  # one kernel; the lines below are its twin
         return _combine(y, pair_pos, keep, N, k)
     y = y[pair_pos]
