@@ -57,12 +57,22 @@ def main():
     ap.add_argument("--lens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_tokens: the prefill chunk")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
+                    help="torch: prefill attention in plain torch (the kernels' twin), for the ratio")
+    ap.add_argument("--moe-rows", type=int, default=0, choices=[0, 16],
+                    help="16: the grouped MoE keeps row blocks of 16 at every size (the earlier prefill), for the ratio")
+    ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     cfg = get_preset(args.preset)
+    if args.moe_rows:
+        from dsv4.kernels import moe
+
+        moe.block_m_for = lambda *a, **k: args.moe_rows
     llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_batch_size=1,
               max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
-              kv_cache_config={"free_gpu_memory_fraction": 0.5})
+              kv_cache_config={"free_gpu_memory_fraction": 0.5}, attention_backend=args.attention_backend,
+              moe_config={"expert_format": args.expert_format})
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     rows = []
@@ -75,7 +85,9 @@ def main():
                      f"{100 * tflops / H200_BF16_DENSE_TFLOPS:.1f}%"])
     text = table(["prompt tokens", "chunks", "TTFT (ms)", "prefill tok/s", "achieved TFLOP/s",
                   "of the bf16 dense peak (989)"], rows)
-    report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}", text, args.append,
+    report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}, attention {args.attention_backend}, "
+           f"experts {args.expert_format}" + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else ""),
+           text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")
 
 

@@ -117,3 +117,26 @@ def test_whole_step_graph_refuses_a_bucket_without_it_and_is_not_followed_by_mtp
     g.whole_step = False
     with pytest.raises(GraphOrderError, match="no whole-step graph"):
         step(last, ids)
+
+
+@pytest.mark.parametrize("kv, k", [("auto", 0), ("fp8", 2)])
+def test_prefill_chunks_on_the_kernel_backend_equal_the_torch_path(kernel_path_on_cpu, kv, k, monkeypatch):
+    """Prefill chunks many times longer than the ring's room (tiny: a window of 8) on the kernel backend
+    (``PrefillCudaBackend``: the window read from the ring's copy with the chunk's rows appended, the entries,
+    indexer and attention as in decode; the kernels' torch twins on the CPU) give the torch path's tokens, with
+    an FP8 cache and with MTP's catch-up passes over the chunks too."""
+    chunks = []
+    real = cuda_backend.PrefillCudaBackend.window
+    monkeypatch.setattr(cuda_backend.PrefillCudaBackend, "window",
+                        lambda self, l, x: chunks.append(x.shape[0]) or real(self, l, x))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (200, 77, 5, 130)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    kw = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=256, kv_cache_config={"max_tokens": 4096, "dtype": kv},
+              warmup=False, enforce_eager=True,
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+    ref = [o.outputs[0].token_ids for o in LLM("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
+    assert not chunks
+    out = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
+    assert out == ref
+    assert max(chunks) == 64  # whole chunks went through it (window 8: the ring holds 8 + k rows per request)

@@ -166,6 +166,16 @@ class CacheStorage:
         return ops.gather_with(lambda rows: self.read_swa(l, rows), self.swa[l].shape[0],
                                self.as_stored(l, step_rows), index, valid)
 
+    def swa_with_step_rows(self, l: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer l's ring with this step's window rows [N, D] appended as the ring will store them: the plan's
+        combined index space (ring rows, then the step's) as one tensor, (rows [R + N, D], row scales or None).
+        A copy of the ring (taken before the step writes it), which the prefill kernel path reads."""
+        data, scale = self.swa[l], self.swa_scale[l]
+        if scale is None:
+            return torch.cat([data, values.to(data.dtype)]), None
+        q, s = quantize_fp8(values.reshape(-1, values.shape[-1]))
+        return torch.cat([data, q.view(data.dtype)]), torch.cat([scale, s])
+
     def as_stored(self, l: int, values: torch.Tensor) -> torch.Tensor:
         """Window rows [N, D] as ``read_swa`` returns them once written: FP8 quantised and back, else rounded
         to the storage dtype and back (no change when that is the model dtype)."""

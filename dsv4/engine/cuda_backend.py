@@ -1,11 +1,16 @@
-"""The CUDA backend for decode and verify steps: the attention kernel reads the cache in place.
+"""The CUDA backends: the attention and indexer kernels read the cache in place.
 
 In a step where every request adds at most 1 + max_draft_len tokens (decode, verify, MTP draft steps),
 a token's new window row can be written to the ring BEFORE the attention reads it: a write at position p
 only overwrites position p - swa_cap, which no query of the same step needs (queries of the step are at
 most max_draft_len positions apart, and swa_cap = window + max_draft_len). So the window is plain ring
-rows and the kernel reads the ring and the compressed entries where they lie. Longer prefill chunks use the
-plain-torch CachedBackend (read-before-write over the combined index space).
+rows and the kernel reads the ring and the compressed entries where they lie.
+
+Longer prefill chunks (``PrefillCudaBackend``) would overwrite ring rows their own earlier queries still read,
+so their window is read from the plan's combined index space (ring rows, then the step's rows) made one tensor:
+a copy of the ring with the step's rows appended as the ring stores them, taken before the step writes the
+ring. The compressed entries, the indexer and the attention are the decode kernels' (one program per query
+token). The plain-torch CachedBackend is the twin of both.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class CacheRows:
 class CudaBackend(CachedBackend):
     def __init__(self, *args, swa_step_base: int, **kw):
         super().__init__(*args, **kw)
+        self.swa_step_base = swa_step_base
         # this step's own rows are in the ring once written: map their combined indices to ring rows
         own = self.swa_read >= swa_step_base
         step_idx = (self.swa_read - swa_step_base).clamp(0, self.swa_write.shape[0] - 1)
@@ -95,3 +101,17 @@ class CudaBackend(CachedBackend):
             sources.append(replace(rows, valid=visible[:, 0]).source())
         split = 0 if rows_fixed() else None  # batch invariance: one path whatever the batch size
         return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale, split).unsqueeze(1)
+
+
+class PrefillCudaBackend(CudaBackend):
+    """Any step on the kernels, prefill chunks of any length included: the window keys are read from a copy of
+    the ring with the step's rows appended (``CacheStorage.swa_with_step_rows``), so reads precede writes."""
+
+    def window(self, layer_id: int, kv: torch.Tensor):
+        st = self.storage
+        if st.swa[layer_id].shape[0] != self.swa_step_base:
+            raise RuntimeError(f"layer {layer_id}: the plan's step rows start at {self.swa_step_base}, the ring "
+                               f"has {st.swa[layer_id].shape[0]} rows; plan and cache come from different layouts")
+        rows, scale = st.swa_with_step_rows(layer_id, kv)
+        st.write_swa(layer_id, self.swa_write, kv)
+        return CacheRows(rows, self.swa_read, self.swa_valid, scale)

@@ -19,7 +19,7 @@ from ..model.model import DeepseekV4
 from ..model.rows import ROWS, fixed_rows
 from ..transfer import HostCopy, to_device
 from .backend import CachedBackend
-from .cuda_backend import CudaBackend
+from .cuda_backend import CudaBackend, PrefillCudaBackend
 from .request import PENDING
 from .scheduler import ScheduledSeq
 from .spec import DeviceVerdict
@@ -243,9 +243,11 @@ class ModelRunner:
         return self.graphs is not None and self.graphs.has_step(plan)
 
     def _backend(self, plan):
-        if self.use_kernels and max(plan.num_new) <= self.max_step_rows:
+        if not self.use_kernels:
+            return CachedBackend.for_step(plan, self.storage)
+        if max(plan.num_new) <= self.max_step_rows:  # decode-like: the ring in place, written first
             return CudaBackend.for_step(plan, self.storage)
-        return CachedBackend.for_step(plan, self.storage)
+        return PrefillCudaBackend.for_step(plan, self.storage)
 
     def _draft_backend(self, plan, tables):
         if self.use_kernels:

@@ -13,6 +13,7 @@ from .expert_weights import StackedExperts
 from .fused import FusedLinears, project
 from .ops import swiglu_to
 from .rows import Linear, linear
+from .rows import active as rows_active
 
 
 class Gate(nn.Module):
@@ -66,7 +67,8 @@ class Experts(StackedExperts):
         if x.is_cuda and self.grouped_kernel:
             from ..kernels.moe import grouped_experts  # lazy: kernels import model.ops
 
-            return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit, scales=self.scales())
+            return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit, scales=self.scales(),
+                                   invariant=rows_active())
         N, k = ids.shape
         flat = ids.flatten()  # [N*k] one row per (token, choice)
         order = flat.argsort(stable=True)  # rows grouped by expert

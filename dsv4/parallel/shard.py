@@ -22,6 +22,7 @@ from ..model.expert_weights import StackedExperts, adopt_layout, check_fp4_shape
 from ..model.model import DeepseekV4
 from ..model.ops import swiglu_to
 from ..model.rows import Linear, linear
+from ..model.rows import active as rows_active
 from .comm import Collectives
 from .mapping import ParallelMapping
 
@@ -139,7 +140,7 @@ class ParallelExperts(StackedExperts):
         local = ids - self.first_expert
         keep = (local >= 0) & (local < self.num_local)
         return grouped_experts(x, weights, local, self.w1, self.w2, self.w3, self.limit, keep=keep,
-                               scales=self.scales())
+                               scales=self.scales(), invariant=rows_active())
 
     def _local_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The plain-torch twin (host-side loop over this rank's experts; syncs: not for CUDA graphs)."""
