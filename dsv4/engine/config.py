@@ -125,7 +125,7 @@ class EngineConfig:
     # the overlap scheduler (on by default, as in TensorRT-LLM): a step without MTP is launched before the
     # previous step's tokens are read back, so the host's bookkeeping runs while the device computes
     disable_overlap_scheduler: bool = False
-    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA for decode/verify), "torch", "triton"
+    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA: decode, verify and prefill), "torch", "triton"
     # every row's result independent of the batch (model/rows.py): projections on fixed 128-row chunks, one
     # attention path, a prefill chunk alone in its step; bf16 greedy output with MTP on then equals MTP off. Off by
     # default (it costs time).

@@ -214,7 +214,7 @@ class ModelRunner:
         self.model, self.storage, self.device = model, storage, torch.device(device)
         # every pass under rows.fixed_rows: a row's result independent of the batch (EngineConfig.batch_invariant)
         self.batch_invariant = batch_invariant
-        # the Triton kernel path for decode-like steps (CUDA; bf16, fp32 or FP8 cache), else the plain-torch path
+        # the Triton kernel path for every step (CUDA; bf16, fp32 or FP8 cache), else the plain-torch path
         self.use_kernels = attention_backend in ("auto", "triton") and CudaBackend.supports(storage)
         if attention_backend == "triton" and not self.use_kernels:
             raise ValueError("attention_backend='triton' needs a CUDA device (or attention_backend='auto'/'torch')")
