@@ -29,6 +29,7 @@ from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams as SP
 from dsv4.engine.scheduler import Scheduler
 from dsv4.parallel.comm import RankError
+from dsv4.parallel.executor import ForwardMsg
 from dsv4.parallel.lanes import DataParallelScheduler, LaneCaches
 from dsv4.parallel.mapping import ParallelMapping
 from dsv4.parallel.shard import shard_state_dict
@@ -119,6 +120,34 @@ def test_matrix_token_identical(ckpt, prompts, single, mode, mtp):
         assert cache.num_free_slots == cache.num_slots
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["tp2", "adp2+ep2"])
+def test_overlapped_steps_on_every_rank_equal_one_process(ckpt, prompts, mode):
+    """MTP off with the overlap scheduler (the default): each step is announced before the previous step's
+    tokens are read back, and those inputs reach every rank by a broadcast from the driver's device. Greedy,
+    stop-token and sampled requests give the single process's tokens and finish reasons; the steps did overlap
+    (messages with pending ids), and with the scheduler off none has them."""
+    sp = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in prompts]
+    sp[2] = SamplingParams(max_tokens=10, temperature=0.8, seed=4, ignore_eos=True)
+    ref = LLM(ckpt, warmup=False, **KW).generate(prompts, sp)
+    for i in (0, 3):  # stop tokens that end requests while their next step is already launched
+        sp[i] = SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[ref[i].outputs[0].token_ids[4]])
+    want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in LLM(ckpt, warmup=False, **KW).generate(
+        prompts, sp)]
+    assert [w[1] for w in want].count("stop") == 2
+    for overlap in (True, False):
+        llm = LLM(ckpt, warmup=False, disable_overlap_scheduler=not overlap, **KW, **MODES[mode])
+        try:
+            group, sent = llm.engine.runner.group, []
+            send = group.send
+            group.send = lambda m: (sent.append(m), send(m))[1]
+            got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, sp)]
+            assert got == want
+            pending = [m.pending_ids for m in sent if isinstance(m, ForwardMsg)]
+            assert (sum(1 for n in pending if n) >= 5) == overlap, pending
+        finally:
+            llm.shutdown()
 
 
 def test_fp32_cell_with_a_stable_prompt_set(ckpt, prompts):

@@ -203,8 +203,9 @@ class LLMEngine:
     # ---- the overlap scheduler ----------------------------------------------------------------------
     @property
     def overlaps_steps(self) -> bool:
-        """Whether steps overlap: the overlap scheduler on, a runner that takes inputs from the device (not the
-        multi-rank driver's), and with MTP a proposer whose drafts stay on the device."""
+        """Whether steps overlap: the overlap scheduler on, a runner that takes inputs from the device (the
+        multi-rank driver broadcasts them to its ranks), and with MTP a proposer whose drafts stay on the device
+        (not on the multi-rank driver)."""
         return (self.overlap_scheduler and self.runner.supports_overlap
                 and (self.draft_len == 0 or (self.proposer is not None and self.proposer.overlaps)))
 

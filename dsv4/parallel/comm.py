@@ -160,6 +160,12 @@ class Collectives:
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts, dim=0)
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """The driver's ``t`` on every rank, in place (same shape and dtype everywhere); returns ``t``. On NCCL it
+        waits for the work queued before it on the device, not for the host."""
+        dist.broadcast(t, src=0)
+        return t
+
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """[world * n, ...] partial sums on every rank -> this rank's n rows of the sum."""
         n = t.shape[0] // self.world_size

@@ -8,7 +8,9 @@ order with the same shapes:
 
     driver                                    every other rank
     ForwardMsg(step, lanes)          ---->    build its StepPlan from its lane's build_plan arguments
-                                              (the same function the driver's cache used), run the target
+                                              (the same function the driver's cache used)
+    [overlap: broadcast pending ids] ---->    the previous step's tokens, still on the device
+                                              run the target
     [attention DP: gather logits]    <----    logits of its lane's sampled rows (data group all-gather)
     sample / verify (the driver only)
     ProposeMsg(step, lanes, k, any)  ---->    MTP catch-up pass
@@ -30,6 +32,12 @@ lane's plan fits a bucket; under attention DP the bucket is the busiest lane's, 
 sends that decision and the bucket's padding in the ForwardMsg; the ranks rebuild the plan with exactly that
 padding and replay target, MTP catch-up and draft graphs for that step, never deciding on local state.
 
+Overlap (steps without MTP): the engine launches step n+1 before it reads step n's tokens back, so some of
+step n+1's inputs exist only on the driver's device (PENDING in the host ids). The ForwardMsg names them per
+lane (step positions, flat indices into the previous step's token tensor) and the driver broadcasts that
+tensor over the data group right after the message (a device collective: on NCCL nobody waits for the host);
+every rank fills its inputs from it as the single-process runner does (``ModelRunner._step_inputs``).
+
 Per-step state stays a value: each rank's plan is built from the message (R2); the only thing a rank keeps
 between two messages of one step is that step's (plan, streams, graphed), checked against the step number.
 """
@@ -45,7 +53,8 @@ from ..cache.layout import CacheLayout
 from ..cache.manager import StepOrderError
 from ..cache.plan import StepPlan, build_plan
 from ..engine.backend import CachedBackend
-from ..engine.runner import DraftInputs, DraftTokens, ModelRunner, TargetOutput, draft_inputs, target_inputs
+from ..engine.runner import (DraftInputs, DraftTokens, ModelRunner, TargetOutput, draft_inputs, pending_inputs,
+                             target_inputs)
 from ..engine.scheduler import ScheduledSeq
 from .comm import StopMsg
 
@@ -58,6 +67,8 @@ class LaneWork:
     plan: dict  # build_plan keyword arguments (host ints; an idle lane's have no requests, only padding)
     token_ids: tuple[int, ...]
     logit_rows: tuple[int, ...]  # step rows whose logits the driver needs (attention DP; else empty)
+    # inputs still on the device (PENDING in token_ids): (step positions, flat indices into the broadcast ids)
+    pending: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,13 @@ class ForwardMsg:
     step: int
     lanes: tuple[LaneWork, ...]
     graphed: bool = False  # the driver's decision: every rank replays its bucket's graphs for this step
+    pending_ids: int = 0  # overlap: the driver broadcasts this many int64 ids (its previous step's tokens) next
+
+
+def pending_of(work: LaneWork, values: torch.Tensor | None):
+    """``run_target``'s ``pending`` for a lane: None when all its inputs are host ids."""
+    dst, src = work.pending
+    return (dst, src, values) if dst else None
 
 
 @dataclass(frozen=True)
@@ -146,10 +164,11 @@ class LaneRunner(ModelRunner):
 # ---- the driver ---------------------------------------------------------------------------------------------------
 class DistributedRunner(LaneRunner):
     """The engine's runner on rank 0: same ``forward`` / ``propose`` as ModelRunner, and every pass is
-    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). The inputs it
-    announces are host token ids, so the engine does not overlap steps on it (``supports_overlap``)."""
+    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). Steps without MTP
+    overlap (inputs still on the device are broadcast, see the module doc); MTP steps do not, since acceptance
+    is read on the host and the draft tokens go to the ranks in messages (``drafts_from_device``)."""
 
-    supports_overlap = False
+    supports_overlap = True
     drafts_from_device = False  # acceptance is read on the host: the draft inputs are sent to the ranks
 
     def __init__(self, model, storage, device, attention_backend, group, mapping, batch_invariant: bool = False):
@@ -195,31 +214,37 @@ class DistributedRunner(LaneRunner):
             raise err from e
 
     def forward(self, seqs: list[ScheduledSeq], plan, prev=None, whole_step: bool = False) -> TargetOutput:
-        if prev is not None:
-            raise RuntimeError("the multi-rank driver takes host token ids only: no step may overlap on it"
-                               " (supports_overlap is False)")
+        if prev is not None and prev.mtp is not None:
+            raise RuntimeError("the multi-rank driver does not overlap MTP steps (drafts_from_device is False)")
         if whole_step:
             raise RuntimeError("the multi-rank driver has no whole-step graphs (acceptance is read on the host)")
-        return self._guard(self._forward, seqs, plan)
+        return self._guard(self._forward, seqs, plan, prev)
 
     def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         return self._guard(self._propose, seqs, plan, target, num_accepted, drafting, draft_len, choose)
 
-    def _forward(self, seqs, plan) -> TargetOutput:
+    def _forward(self, seqs, plan, prev) -> TargetOutput:
         plans, local, lane_idx = self._lanes(seqs, plan)
         self._step += 1
         graphed = self._graphed_step = self._step_graphed(plans, local)
         padding = self.graphs.padding(local.shape.batch) if graphed else None  # the bucket's static shapes
         works, counts = [], []
         for lane, idx in enumerate(lane_idx):
-            ids, rows, cnt = target_inputs([seqs[i] for i in idx])
+            lane_seqs = [seqs[i] for i in idx]
+            ids, rows, cnt = target_inputs(lane_seqs)
+            dst, src = pending_inputs(lane_seqs, prev)
             p = plans[lane]
             args = plan_args(p, padding) if p is not None else idle_plan_args(local.step_id, plan.pad_tokens_to,
                                                                                plan.pad_batch_to, padding)
-            works.append(LaneWork(args, tuple(ids), tuple(rows) if self.dp else ()))
+            works.append(LaneWork(args, tuple(ids), tuple(rows) if self.dp else (), (tuple(dst), tuple(src))))
             counts.append((cnt, rows))
-        self.group.send(ForwardMsg(self._step, tuple(works), graphed))
-        X, logits0 = self.run_target(local, works[0].token_ids, counts[0][1], graphed)
+        values = None
+        if any(w.pending[0] for w in works):  # the previous step's tokens, from the device to every rank
+            values = prev.inputs.reshape(-1).to(torch.long).contiguous()
+        self.group.send(ForwardMsg(self._step, tuple(works), graphed, 0 if values is None else values.numel()))
+        if values is not None:
+            self.group.collectives.broadcast(values)
+        X, logits0 = self.run_target(local, works[0].token_ids, counts[0][1], graphed, pending_of(works[0], values))
         lane_logits = [logits0]
         if self.dp:
             got = gather_lanes(self.group.collectives, logits0, [len(w.logit_rows) for w in works],
@@ -288,7 +313,12 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
         if isinstance(msg, ForwardMsg):
             work = msg.lanes[lane]
             plan = make_plan(layout, num_slots, work.plan, runner.device)
-            X, logits = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed)
+            values = None
+            if msg.pending_ids:  # the driver's previous tokens (its broadcast follows the message)
+                values = group.collectives.broadcast(torch.empty(msg.pending_ids, dtype=torch.long,
+                                                                 device=runner.device))
+            X, logits = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed,
+                                          pending_of(work, values))
             if dp:
                 gather_lanes(group.collectives, logits, [len(w.logit_rows) for w in msg.lanes],
                              runner.model.cfg.vocab_size, runner.device)
