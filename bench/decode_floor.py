@@ -16,26 +16,35 @@ from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
 
 
-def step_bytes(cfg, batch: int, context: int, elt: int = 2, expert_elt: float = 2) -> dict[str, float]:
+CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
+CHECKPOINT_FP4 = 0.5 + 1 / 32  # the routed experts: e2m1 pairs, an e8m0 scale per 32 inputs
+
+
+def step_bytes(cfg, batch: int, context: int, elt: int = 2, expert_elt: float = 2,
+               fp8_elt: float | None = None) -> dict[str, float]:
     """Bytes one decode step of ``batch`` tokens must read, counted from the config: bf16 weights, the routed
-    experts at ``expert_elt`` bytes per weight (``stored_bytes_per_expert_weight``: 2 in bf16, 0.53 packed FP4)."""
+    experts at ``expert_elt`` bytes per weight (``stored_bytes_per_expert_weight``: 2 in bf16, 0.53 packed FP4),
+    the linears DeepSeek ships in FP8 (attention wq_a/wq_b/wkv/wo_a/wo_b, the indexer's wq_b, the shared expert)
+    at ``fp8_elt`` (default ``elt``: dequantised at load). The checkpoint's own precision: fp8_elt=CHECKPOINT_FP8,
+    expert_elt=CHECKPOINT_FP4."""
     d, H, D, q, g, o = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
     E, k, I, n = cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter_dim, cfg.hc_mult
+    f8 = elt if fp8_elt is None else fp8_elt
     attn = weights = experts = kv = 0.0
     for r in cfg.compress_ratios:
-        a = q * d + H * D * q + D * d + g * o * (H * D // g) + d * g * o
+        a = (q * d + H * D * q + D * d + g * o * (H * D // g) + d * g * o) * f8
         if r:
             coff = 2 if r == 4 else 1
-            a += 2 * coff * D * d
+            a += 2 * coff * D * d * elt
             kv += batch * (context // r) * D * elt if r != 4 else batch * min(cfg.index_topk, context // 4) * D * elt
         if r == 4:
             dI, nI = cfg.index_head_dim, cfg.index_n_heads
-            a += 2 * 2 * dI * d  # the indexer's compressor writes its keys in every step
+            a += 2 * 2 * dI * d * elt  # the indexer's compressor writes its keys in every step
             if context // 4 > cfg.index_topk:  # with at most top-k entries all are selected: no scoring needed
-                a += nI * dI * q + nI * d
+                a += nI * dI * q * f8 + nI * d * elt
                 kv += batch * (context // 4) * dI * elt  # the indexer scores every entry
-        attn += a * elt
-        weights += (E * d + 3 * I * d) * elt + 2 * (2 + n) * n * n * d * 4  # gate, shared expert, mHC (fp32)
+        attn += a
+        weights += E * d * elt + 3 * I * d * f8 + 2 * (2 + n) * n * n * d * 4  # gate, shared expert, mHC (fp32)
         distinct = E * (1 - (1 - k / E) ** batch)  # expected experts the batch routes to
         experts += distinct * 3 * I * d * expert_elt
         kv += batch * min(cfg.window_size, context) * D * elt
@@ -95,13 +104,15 @@ def main():
             replay, _ = timed(g._b[B].graphs["target"].replay, repeat=20)
         b = step_bytes(cfg, B, args.prompt_len + 4, expert_elt=expert_elt)
         floor = b["total"] / bw
+        own = step_bytes(cfg, B, args.prompt_len + 4, expert_elt=CHECKPOINT_FP4, fp8_elt=CHECKPOINT_FP8)["total"] / bw
         pct = " / ".join(f"{100 * floor / x:.1f}%" for x in (t, t_row, t_overlap))
         rows.append([B, f"{t * 1e3:.2f} / {t_row * 1e3:.2f} / {t_overlap * 1e3:.2f}", floor * 1e3, pct,
                      "-" if replay is None else f"{replay * 1e3:.2f} ({100 * floor / replay:.0f}% of floor)",
-                     f"{b['total'] / 1e9:.2f}", f"{b['routed experts'] / 1e9:.2f}", f"{b['lm head'] / 1e9:.2f}"])
+                     f"{b['total'] / 1e9:.2f}", f"{b['routed experts'] / 1e9:.2f}", f"{b['lm head'] / 1e9:.2f}",
+                     f"{own * 1e3:.3f} ({100 * own / t_overlap:.1f}%)"])
     text = table(["batch", "step ms: alone / in a row / in a row, overlapped", "floor ms", "% of floor",
-                  "forward alone ms (graph replay)",
-                  "GB read", "of which experts", "lm head"], rows)
+                  "forward alone ms (graph replay)", "GB read", "of which experts", "lm head",
+                  "floor in the checkpoint's precision ms (% of it, overlapped)"], rows)
     what = (f"{args.preset}, bf16, routed experts {args.expert_format} ({expert_elt:.3f} bytes per weight as"
             f" stored), {args.prompt_len}-token prompts")
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
@@ -111,7 +122,9 @@ def main():
                  " and after and the overlap scheduler off, so the host's work and the device's add up; 'in a"
                  " row': the mean of consecutive steps, the overlap scheduler off, then on ('overlapped': the"
                  " host prepares step n+1 while the device runs step n), what a decoding request sees per"
-                 " token. 'Forward alone' replays the step's captured target graph with nothing else.")
+                 " token. 'Forward alone' replays the step's captured target graph with nothing else. The last"
+                 " column counts the weights as DeepSeek ships them (FP8 linears, FP4 experts), whatever this run"
+                 " stores: the issue's goal is stated against it.")
 
 
 def in_a_row(eng, steps: int, overlap: bool) -> float:
