@@ -1,9 +1,10 @@
 """One multi-rank cell on the GPUs against the single-process engine on the same weights (greedy).
 
-    python3 bench/multirank_gpu.py --mode tp2+ep2 --mtp 2 --graphs on [--model tiny --dtype fp32]
+    python3 bench/multirank_gpu.py --mode tp2+ep2 --mtp 2 --graphs on [--overlap on] [--model tiny --dtype fp32]
 
-Prints one table row: mapping, MTP, CUDA graphs, graph replays on the driver, requests, tokens identical to
-one process, first divergence, seconds. A hang is bounded by the caller's ``timeout``; with
+Prints one table row: mapping, MTP, CUDA graphs, whether steps overlapped (the overlap scheduler; with several
+ranks steps without MTP only), graph replays on the driver, requests, tokens identical to one process, first
+divergence, seconds. A hang is bounded by the caller's ``timeout``; with
 ``DSV4_DUMP_STACKS_S`` set every rank prints its Python stacks first (see dsv4/parallel/comm.py).
 """
 
@@ -34,6 +35,7 @@ def main():
     p.add_argument("--mode", default="tp2+ep2", choices=sorted(MODES))
     p.add_argument("--mtp", type=int, default=2, help="draft length (0: MTP off)")
     p.add_argument("--graphs", default="on", choices=["on", "off"])
+    p.add_argument("--overlap", default="on", choices=["on", "off"], help="off: disable_overlap_scheduler")
     p.add_argument("--device", default="cuda")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
@@ -43,7 +45,7 @@ def main():
     kw = dict(device=a.device, dtype=a.dtype, max_batch_size=8, max_num_tokens=256, max_seq_len=512,
               kv_cache_config={"max_tokens": 8192, "dtype": "auto"},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4, 8]},
-              enforce_eager=a.graphs == "off")
+              enforce_eager=a.graphs == "off", disable_overlap_scheduler=a.overlap == "off")
     if a.mtp:
         kw["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": a.mtp}
     sp = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
@@ -57,11 +59,13 @@ def main():
         t2 = time.perf_counter()
         g = llm.engine.runner.graphs
         replays = g.num_replays if g is not None else 0
+        overlapped = llm.engine.overlaps_steps
         notes = llm.notes
     same = sum(o == r for o, r in zip(outs, ref))
     firsts = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), None) for o, r in zip(outs, ref)]
     first = min((f for f in firsts if f is not None), default=None)
-    print(f"| {a.mode} | {a.mtp} | {a.graphs} | {replays} | {len(prompts)} | {same}/{len(prompts)} |"
+    print(f"| {a.mode} | {a.mtp} | {a.graphs} | {'yes' if overlapped else 'no'} | {replays} | {len(prompts)} |"
+          f" {same}/{len(prompts)} |"
           f" {first if first is not None else '-'} | start {t1 - t0:.0f} s, generate {t2 - t1:.1f} s |")
     for n in notes:
         print("note:", n)

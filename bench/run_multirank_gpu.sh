@@ -2,17 +2,18 @@
 # Multi-rank cells on 2 GPUs against one process on the same weights (bench/multirank_gpu.py), CUDA graphs
 # across ranks included. A cell that runs past CELL_TIMEOUT stops the loop (every rank has printed its
 # Python stacks by then: DSV4_DUMP_STACKS_S).
-#   bash bench/run_multirank_gpu.sh "tp2+ep2 0 off" "tp2+ep2 2 on" ...      (mode, draft length, graphs)
+#   bash bench/run_multirank_gpu.sh "tp2+ep2 0 off" "tp2+ep2 2 on" "tp2+ep2 0 on off" ...
+#   (mode, draft length, graphs[, overlap: default on])
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export DSV4_DUMP_STACKS_S=${DSV4_DUMP_STACKS_S:-75} DSV4_DIST_TIMEOUT_S=${DSV4_DIST_TIMEOUT_S:-90}
 CELL_TIMEOUT=${CELL_TIMEOUT:-110}
-echo "| mapping | MTP k | graphs | graph replays | requests | identical to 1 process | first divergence | time |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| mapping | MTP k | graphs | overlapped | graph replays | requests | identical to 1 process | first divergence | time |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for cell in "$@"; do
   set -- $cell
   timeout -k 5 $CELL_TIMEOUT python3 bench/multirank_gpu.py --model ${M:-tiny} --dtype ${DTYPE:-fp32} \
-    --mode $1 --mtp $2 --graphs $3 > /tmp/cell.log 2>&1
+    --mode $1 --mtp $2 --graphs $3 --overlap ${4:-on} > /tmp/cell.log 2>&1
   rc=$?
   grep "^|" /tmp/cell.log || { echo "cell '$cell' rc=$rc:"; grep -v Warning /tmp/cell.log | tail -${TAIL:-120}; }
   [ $rc = 124 ] && { echo "cell '$cell' timed out after $CELL_TIMEOUT s; stopping"; break; }
