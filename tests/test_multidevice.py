@@ -150,6 +150,41 @@ def test_overlapped_steps_on_every_rank_equal_one_process(ckpt, prompts, mode):
             llm.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["tp2", "tp2+ep2"])
+def test_overlapped_mtp_steps_on_every_rank_equal_the_synchronous_ones(ckpt, prompts, single, mode):
+    """MTP k=2 with the overlap scheduler on several ranks: a verify step is announced before the previous
+    step's acceptance is read back, so the driver broadcasts its plan's C column (the accepted drafts only its
+    device knows), the bonus tokens and drafts, the catch-up inputs from acceptance on its device and every
+    draft pass's tokens. Drafts are the known answer 70% of the time (a device proposer: both accept and
+    reject run). Greedy and stop-token requests give the single process's MTP-off tokens and the synchronous
+    run's, with the same acceptance; overlapped MTP steps happened (plans with unsettled rows sent)."""
+    from dsv4.engine.proposer import use_known_answers
+
+    ref, _ = single
+    answers = {tuple(p): r for p, r in zip(prompts, ref)}
+    sp = [SP8 for _ in prompts]
+    sp[1] = SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[ref[1][5]])
+    want = [r[:r.index(ref[1][5]) + 1] if i == 1 else r for i, r in enumerate(ref)]
+    runs = []
+    for overlap in (True, False):
+        llm = LLM(ckpt, warmup=False, disable_overlap_scheduler=not overlap, speculative_config=MTP2, **KW,
+                  **MODES[mode])
+        try:
+            use_known_answers(llm.engine, answers, 0.7, seed=1)
+            group, sent = llm.engine.runner.group, []
+            send = group.send
+            group.send = lambda m: (sent.append(m), send(m))[1]
+            assert _tokens(llm.generate(prompts, sp)) == want
+            st = llm.get_stats()["speculative"]
+            runs.append((st["num_accepted_tokens"], st["acceptance_rate"]))
+            shifted = sum(1 for m in sent if isinstance(m, ForwardMsg) and m.lanes[0].plan.get("unsettled"))
+            assert (shifted >= 3) == overlap, shifted
+            assert llm.engine.overlaps_steps == overlap
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1] and 0 < runs[0][1] < 1
+
+
 def test_fp32_cell_with_a_stable_prompt_set(ckpt, prompts):
     """The engine's own CPU dtype, on the most involved cell (attention DP + ep2, MTP): with this fixed prompt
     set the cross-rank fp32 sums do not flip any greedy choice (a different set might tie; see the docstring)."""

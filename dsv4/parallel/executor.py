@@ -14,10 +14,11 @@ order with the same shapes:
     [attention DP: gather logits]    <----    logits of its lane's sampled rows (data group all-gather)
     sample / verify (the driver only)
     ProposeMsg(step, lanes, k, any)  ---->    MTP catch-up pass
+    [acceptance on the device: broadcast the catch-up inputs]
     for j in 1..k:
       [attention DP: gather logits]  <----    MTP logits of its active rows
       choose drafts (the driver only)
-      DraftTokensMsg(step, j, toks)  ---->    (j < k) next draft pass with these tokens
+      broadcast the draft tokens     ---->    (j < k) next draft pass with these tokens
 
 Lanes: without attention DP there is one lane, the whole batch, which every rank runs (same plan, same
 tokens; each rank computes its share of heads / experts). With attention DP lane r is rank r's own
@@ -32,11 +33,16 @@ lane's plan fits a bucket; under attention DP the bucket is the busiest lane's, 
 sends that decision and the bucket's padding in the ForwardMsg; the ranks rebuild the plan with exactly that
 padding and replay target, MTP catch-up and draft graphs for that step, never deciding on local state.
 
-Overlap (steps without MTP): the engine launches step n+1 before it reads step n's tokens back, so some of
-step n+1's inputs exist only on the driver's device (PENDING in the host ids). The ForwardMsg names them per
-lane (step positions, flat indices into the previous step's token tensor) and the driver broadcasts that
-tensor over the data group right after the message (a device collective: on NCCL nobody waits for the host);
-every rank fills its inputs from it as the single-process runner does (``ModelRunner._step_inputs``).
+Overlap: the engine launches step n+1 before it reads step n's tokens back, so some of step n+1's inputs
+exist only on the driver's device (PENDING in the host ids). The ForwardMsg names them per lane (step
+positions, flat indices into the previous step's token tensor) and the driver broadcasts that tensor over the
+data group right after the message (a device collective: on NCCL nobody waits for the host); every rank fills
+its inputs from it as the single-process runner does (``ModelRunner._step_inputs``). After an overlapped MTP
+step the requests' committed lengths are on the device too (``unsettled``): the driver broadcasts its plan's C
+column first and every rank builds its plan with the same shift. An MTP step's acceptance then stays on the
+driver's device, so the catch-up pass's inputs (``device_draft_inputs``) are broadcast as well; draft tokens
+always are (device tensors, never host ints). Attention-DP lanes settle their caches on the host: their MTP
+steps do not overlap (``drafts_from_device``).
 
 Per-step state stays a value: each rank's plan is built from the message (R2); the only thing a rank keeps
 between two messages of one step is that step's (plan, streams, graphed), checked against the step number.
@@ -53,8 +59,9 @@ from ..cache.layout import CacheLayout
 from ..cache.manager import StepOrderError
 from ..cache.plan import StepPlan, build_plan
 from ..engine.backend import CachedBackend
-from ..engine.runner import (DraftInputs, DraftTokens, ModelRunner, TargetOutput, draft_inputs, pending_inputs,
-                             target_inputs)
+from ..engine.runner import (DraftInputs, DraftTokens, ModelRunner, TargetOutput, draft_inputs, draft_inputs_for,
+                             pending_inputs, target_inputs)
+from ..engine.spec import DeviceVerdict
 from ..engine.scheduler import ScheduledSeq
 from .comm import StopMsg
 
@@ -88,16 +95,12 @@ def pending_of(work: LaneWork, values: torch.Tensor | None):
 @dataclass(frozen=True)
 class ProposeMsg:
     step: int
-    lanes: tuple[DraftInputs, ...]
+    lanes: tuple[DraftInputs, ...]  # host ints; with ``on_device`` only ``active`` (the rest is broadcast)
     draft_len: int
     any_active: bool  # draft passes 2..k run on every rank iff some lane drafts
-
-
-@dataclass(frozen=True)
-class DraftTokensMsg:
-    step: int
-    j: int
-    tokens: tuple[tuple[int, ...], ...]  # per lane: the draft tokens of its active rows
+    # the inputs came from acceptance on the driver's device: its (next_ids [N], picks [B], new_lens [B]) follow
+    # as one broadcast of N + 2B int64 (N, B given here)
+    on_device: tuple[int, int] | None = None
 
 
 # ---- plan arguments -----------------------------------------------------------------------------------------
@@ -111,6 +114,8 @@ def plan_args(plan: StepPlan, padding: dict | None = None) -> dict:
                 num_new=plan.num_new, draft_lens=plan.draft_lens, slots=plan.slot_ids,
                 block_tables=[tuple(b) for b in plan.block_ids],
                 pad_tokens_to=Np if Np > N else None, pad_batch_to=Bp if Bp > B else None)
+    if any(plan.unsettled):  # C known on the device only: the driver broadcasts its C column (``settled_c``)
+        args["unsettled"] = tuple(plan.unsettled)
     args.update(padding or {})
     return args
 
@@ -124,8 +129,18 @@ def idle_plan_args(step_id: int, num_tokens: int, num_rows: int, padding: dict |
     return args
 
 
-def make_plan(layout: CacheLayout, num_slots: int, args: dict, device) -> StepPlan:
-    return build_plan(layout, num_slots=num_slots, owner=0, device=device, **args)
+def make_plan(layout: CacheLayout, num_slots: int, args: dict, device, c_column: torch.Tensor | None = None) -> StepPlan:
+    """A rank's plan from the driver's arguments; ``c_column``: the driver's C of each request (on the device)
+    when some are unsettled (an overlapped MTP step's accepted drafts), applied as the driver's shift."""
+    shift = None
+    if c_column is not None:
+        shift = c_column - torch.tensor(args["num_computed"], dtype=torch.long).to(c_column.device)
+    return build_plan(layout, num_slots=num_slots, owner=0, device=device, shift=shift, **args)
+
+
+def unsettled_count(work: "LaneWork") -> int:
+    """How many C values the driver broadcasts for this lane's plan (0: all settled)."""
+    return len(work.plan["req_ids"]) if any(work.plan.get("unsettled", ())) else 0
 
 
 # ---- attention DP: logits to the driver ------------------------------------------------------------------------
@@ -169,7 +184,12 @@ class DistributedRunner(LaneRunner):
     is read on the host and the draft tokens go to the ranks in messages (``drafts_from_device``)."""
 
     supports_overlap = True
-    drafts_from_device = False  # acceptance is read on the host: the draft inputs are sent to the ranks
+
+    @property
+    def drafts_from_device(self) -> bool:
+        """Acceptance may stay on the device (MTP steps overlap) unless attention DP splits the batch into lanes
+        (their caches settle on the host)."""
+        return not self.dp
 
     def __init__(self, model, storage, device, attention_backend, group, mapping, batch_invariant: bool = False):
         super().__init__(model, storage, device, attention_backend, batch_invariant)
@@ -214,8 +234,8 @@ class DistributedRunner(LaneRunner):
             raise err from e
 
     def forward(self, seqs: list[ScheduledSeq], plan, prev=None, whole_step: bool = False) -> TargetOutput:
-        if prev is not None and prev.mtp is not None:
-            raise RuntimeError("the multi-rank driver does not overlap MTP steps (drafts_from_device is False)")
+        if prev is not None and prev.mtp is not None and not self.drafts_from_device:
+            raise RuntimeError("attention-DP lanes do not overlap MTP steps (drafts_from_device is False)")
         if whole_step:
             raise RuntimeError("the multi-rank driver has no whole-step graphs (acceptance is read on the host)")
         return self._guard(self._forward, seqs, plan, prev)
@@ -242,9 +262,13 @@ class DistributedRunner(LaneRunner):
         if any(w.pending[0] for w in works):  # the previous step's tokens, from the device to every rank
             values = prev.inputs.reshape(-1).to(torch.long).contiguous()
         self.group.send(ForwardMsg(self._step, tuple(works), graphed, 0 if values is None else values.numel()))
+        if unsettled_count(works[0]):  # C of each request, known on the device only (an overlapped MTP step)
+            self.group.collectives.broadcast(local.rows[:local.num_seqs].to(torch.long).contiguous())
         if values is not None:
             self.group.collectives.broadcast(values)
-        X, logits0 = self.run_target(local, works[0].token_ids, counts[0][1], graphed, pending_of(works[0], values))
+        with self.pass_context():
+            X, logits0, inputs, _ = self._run_target(local, works[0].token_ids, counts[0][1], graphed,
+                                                     pending_of(works[0], values))
         lane_logits = [logits0]
         if self.dp:
             got = gather_lanes(self.group.collectives, logits0, [len(w.logit_rows) for w in works],
@@ -257,45 +281,64 @@ class DistributedRunner(LaneRunner):
                 if c:
                     per_seq[i] = lane_logits[lane][off:off + c]
                     off += c
-        return TargetOutput(X, per_seq)
+        if self.dp:
+            return TargetOutput(X, per_seq)
+        return TargetOutput(X, per_seq, logits0, inputs)  # (one lane: acceptance may run on the device)
 
     def _propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         plans, local, lane_idx = self._lanes(seqs, plan)
-        inps = []
-        for lane, idx in enumerate(lane_idx):
-            p = plans[lane]
-            inps.append(draft_inputs([seqs[i] for i in idx], p.num_computed if p is not None else (),
-                                     [num_accepted[i] for i in idx], [drafting[i] for i in idx]))
+        coll = self.group.collectives
+        if isinstance(num_accepted, DeviceVerdict):  # one lane (drafts_from_device): its inputs stay on the device
+            inp = draft_inputs_for(seqs, local, num_accepted, drafting)
+            inps = [inp]
+            N, B = inp.next_ids.numel(), inp.picks.numel()
+            self.group.send(ProposeMsg(self._step, (DraftInputs((), (), (), inp.active),), draft_len,
+                                       bool(inp.active), (N, B)))
+            coll.broadcast(torch.cat([inp.next_ids, inp.picks, inp.new_lens]).to(torch.long).contiguous())
+        else:
+            inps = []
+            for lane, idx in enumerate(lane_idx):
+                p = plans[lane]
+                inps.append(draft_inputs([seqs[i] for i in idx], p.num_computed if p is not None else (),
+                                         [num_accepted[i] for i in idx], [drafting[i] for i in idx]))
+            self.group.send(ProposeMsg(self._step, tuple(inps), draft_len, any(i.active for i in inps)))
         any_active = any(i.active for i in inps)
-        self.group.send(ProposeMsg(self._step, tuple(inps), draft_len, any_active))
-        drafts: list[list[int]] = [[] for _ in seqs]
+        order = [lane_idx[lane][b] for lane, inp in enumerate(inps) for b in inp.active]  # seq of each drafted row
+        total = len(order)
+        passes: list[torch.Tensor] = []
 
         def pick(j, logits_fn):
             lane_logits = [logits_fn()]
             if self.dp:
-                got = gather_lanes(self.group.collectives, lane_logits[0], [len(i.active) for i in inps],
-                                   self.model.cfg.vocab_size, self.device)
+                got = gather_lanes(coll, lane_logits[0], [len(i.active) for i in inps], self.model.cfg.vocab_size,
+                                   self.device)
                 lane_logits += got[1:]
-            chosen = []
-            for lane, inp in enumerate(inps):
-                idx = lane_idx[lane]
-                toks = (tuple(choose([idx[b] for b in inp.active], j, lane_logits[lane]).tolist())
-                        if inp.active else ())  # host ints: they are sent to the other ranks
-                for b, t in zip(inp.active, toks):
-                    drafts[idx[b]].append(t)
-                chosen.append(toks)
-            if j < draft_len:
-                self.group.send(DraftTokensMsg(self._step, j, tuple(chosen)))
+            chosen = [choose([lane_idx[lane][b] for b in inp.active], j, lane_logits[lane]).to(torch.long)
+                      if inp.active else torch.zeros(0, dtype=torch.long, device=self.device)
+                      for lane, inp in enumerate(inps)]
+            flat = torch.cat(chosen)
+            passes.append(flat)
+            if j < draft_len and total:  # the next pass's inputs on every rank, from the device
+                coll.broadcast(flat.contiguous())
             return chosen[0]
 
         self.run_drafts(local, target.streams, inps[0], draft_len, any_active, pick, self._graphed_step)
-        new_lens = [0] * len(seqs)
-        for idx, inp in zip(lane_idx, inps):
-            for b, n in zip(range(len(idx)), inp.new_lens):
-                new_lens[idx[b]] = n
-        active = tuple(b for b in range(len(seqs)) if drafting[b])
-        tokens = torch.tensor([drafts[b] for b in active], dtype=torch.long) if active else None
-        return DraftTokens(len(seqs), active, tokens, tuple(new_lens))
+        if isinstance(num_accepted, DeviceVerdict):
+            new_lens = inps[0].new_lens
+        else:
+            lens = [0] * len(seqs)
+            for idx, inp in zip(lane_idx, inps):
+                for b, n in zip(range(len(idx)), inp.new_lens):
+                    lens[idx[b]] = n
+            new_lens = tuple(lens)
+        active = tuple(sorted(order))
+        tokens = None
+        if total:
+            tokens = torch.stack(passes, 1)  # [drafted rows, k] in lane order
+            if tuple(order) != active:  # attention DP: the lanes' rows in seq order
+                perm = sorted(range(total), key=order.__getitem__)
+                tokens = tokens[torch.tensor(perm, device=tokens.device)]
+        return DraftTokens(len(seqs), active, tokens, new_lens)
 
 
 # ---- the other ranks --------------------------------------------------------------------------------------------------
@@ -312,7 +355,11 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
             return
         if isinstance(msg, ForwardMsg):
             work = msg.lanes[lane]
-            plan = make_plan(layout, num_slots, work.plan, runner.device)
+            c_column = None
+            if unsettled_count(work):  # the driver's C column (its requests' accepted drafts are on the device)
+                c_column = group.collectives.broadcast(torch.empty(unsettled_count(work), dtype=torch.long,
+                                                                   device=runner.device))
+            plan = make_plan(layout, num_slots, work.plan, runner.device, c_column)
             values = None
             if msg.pending_ids:  # the driver's previous tokens (its broadcast follows the message)
                 values = group.collectives.broadcast(torch.empty(msg.pending_ids, dtype=torch.long,
@@ -329,19 +376,22 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
                                      f" was step {held[0] if held else None}; the driver must send ForwardMsg first")
             _, plan, X, graphed = held
             held = None
+            inp = msg.lanes[lane]
+            if msg.on_device:  # the driver's inputs from acceptance on its device
+                N, B = msg.on_device
+                buf = group.collectives.broadcast(torch.empty(N + 2 * B, dtype=torch.long, device=runner.device))
+                inp = DraftInputs(buf[:N], buf[N:N + B], buf[N + B:], inp.active)
+            sizes = [len(i.active) for i in msg.lanes]
+            first = sum(sizes[:lane])
 
-            def pick(j, logits_fn, msg=msg):
+            def pick(j, logits_fn, msg=msg, sizes=sizes, first=first):
                 if dp:
-                    gather_lanes(group.collectives, logits_fn(), [len(i.active) for i in msg.lanes],
-                                 runner.model.cfg.vocab_size, runner.device)
-                if j >= msg.draft_len:
+                    gather_lanes(group.collectives, logits_fn(), sizes, runner.model.cfg.vocab_size, runner.device)
+                if j >= msg.draft_len or not sum(sizes):
                     return ()
-                toks = group.recv()
-                if not (isinstance(toks, DraftTokensMsg) and toks.step == msg.step and toks.j == j):
-                    raise StepOrderError(f"rank {group.rank}: expected the draft tokens of step {msg.step} pass {j},"
-                                         f" got {type(toks).__name__}")
-                return toks.tokens[lane]
+                flat = group.collectives.broadcast(torch.empty(sum(sizes), dtype=torch.long, device=runner.device))
+                return flat[first:first + sizes[lane]]
 
-            runner.run_drafts(plan, X, msg.lanes[lane], msg.draft_len, msg.any_active, pick, graphed)
+            runner.run_drafts(plan, X, inp, msg.draft_len, msg.any_active, pick, graphed)
         else:
             raise TypeError(f"rank {group.rank}: unknown message {type(msg).__name__}")
