@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The seed's bisect matrix (MTP on/off x attention DP on/off) through dsv4-bench on several GPUs with NCCL:
 #   RANKS=2 bash bench/run_matrix_gpu.sh      (--tp RANKS --ep RANKS; the seed used 4)
+#   OVERLAP=off ...                            (disable_overlap_scheduler: true in every cell, for the ratio)
 # NVLink multicast stays off (the device machines require it; NCCL_NVLS_ENABLE=0 is set there already).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,6 +17,7 @@ for cell in ${CELLS:-on:off on:on off:off off:on}; do  # MTP:attention-DP
   cfg=/tmp/cell_mtp${mtp}_adp${adp}.yml
   cp /tmp/mtp_$mtp.yml $cfg
   [ $adp = on ] && echo "enable_attention_dp: true" >> $cfg
+  [ "${OVERLAP:-on}" = off ] && echo "disable_overlap_scheduler: true" >> $cfg
   echo "== MTP $mtp, attention DP $adp ($cfg)"
   timeout ${CELL_TIMEOUT:-280} python3 -m dsv4.bench.cli --model $M --model_path $M throughput \
       --tp $RANKS --ep $RANKS --dataset /tmp/ds.jsonl \
@@ -23,6 +25,6 @@ for cell in ${CELLS:-on:off on:on off:off off:on}; do  # MTP:attention-DP
       --concurrency 32 --num_requests $N \
       --kv_cache_free_gpu_mem_fraction 0.8 --config $cfg --device cuda --no_progress \
       --report_json "$OUT/matrix_mtp${mtp}_adp${adp}.json" 2>&1 | grep -v Warning \
-      | grep -E "Requests \(|CUDA graphs|output throughput|Per GPU|acceptance|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
+      | grep -E "Requests \(|CUDA graphs|Overlap|output throughput|Per GPU|acceptance|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
   echo "rc=${PIPESTATUS[0]}"
 done
