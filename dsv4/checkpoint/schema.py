@@ -11,6 +11,7 @@ import re
 import torch
 
 from ..config import ModelConfig, kind_spec
+from ..kernels.fp4 import BLOCK as FP4_BLOCK
 
 Shape = tuple[int, ...]
 
@@ -161,7 +162,7 @@ def validate_state_dict(state_dict, cfg: ModelConfig, with_mtp: bool, num_expert
         want = {k: ((num_experts,) + v[1:] if _STACKED_EXPERTS.search(k) else v) for k, v in want.items()}
     for k in [k for k in want if _STACKED_EXPERTS.search(k) and k + "_scale" in state_dict]:  # kept packed FP4
         E, rows, cols = want[k]
-        want[k], want[k + "_scale"] = (E, rows, cols // 2), (E, rows, cols // 32)
+        want[k], want[k + "_scale"] = (E, rows, cols // 2), (E, rows, cols // FP4_BLOCK)
     problems = []
     for name in sorted(set(want) - set(state_dict)):
         problems.append(f"missing tensor {_describe(name)} of shape {list(want[name])}")

@@ -16,6 +16,7 @@ token). The plain-torch CachedBackend is the twin of both.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -50,10 +51,14 @@ class CudaBackend(CachedBackend):
     def __init__(self, *args, swa_step_base: int, **kw):
         super().__init__(*args, **kw)
         self.swa_step_base = swa_step_base
-        # this step's own rows are in the ring once written: map their combined indices to ring rows
-        own = self.swa_read >= swa_step_base
-        step_idx = (self.swa_read - swa_step_base).clamp(0, self.swa_write.shape[0] - 1)
-        self.ring_rows = torch.where(own, self.swa_write[step_idx], self.swa_read)
+
+    @cached_property
+    def ring_rows(self) -> torch.Tensor:
+        """The window's combined indices as ring rows: this step's own rows are in the ring once written (the
+        first window of the step computes it; the prefill backend never reads the ring in place)."""
+        own = self.swa_read >= self.swa_step_base
+        step_idx = (self.swa_read - self.swa_step_base).clamp(0, self.swa_write.shape[0] - 1)
+        return torch.where(own, self.swa_write[step_idx], self.swa_read)
 
     @classmethod
     def for_step(cls, plan, storage, swa_step_base: int | None = None) -> "CudaBackend":

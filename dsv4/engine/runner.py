@@ -276,8 +276,9 @@ class ModelRunner:
     @torch.no_grad()
     def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False,
                    pending: tuple | None = None):
+        """-> (streams, logits of ``logit_rows``, the input ids on the device): ``_run_target`` in the pass context."""
         with self.pass_context():
-            return self._run_target(plan, token_ids, logit_rows, graphed, pending)[:2]
+            return self._run_target(plan, token_ids, logit_rows, graphed, pending)[:3]
 
     def _run_target(self, plan, token_ids, logit_rows, graphed, pending, whole_step=False):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None, the input ids [N_pad] on the

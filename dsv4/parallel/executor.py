@@ -114,7 +114,7 @@ def plan_args(plan: StepPlan, padding: dict | None = None) -> dict:
                 num_new=plan.num_new, draft_lens=plan.draft_lens, slots=plan.slot_ids,
                 block_tables=[tuple(b) for b in plan.block_ids],
                 pad_tokens_to=Np if Np > N else None, pad_batch_to=Bp if Bp > B else None)
-    if any(plan.unsettled):  # C known on the device only: the driver broadcasts its C column (``settled_c``)
+    if any(plan.unsettled):  # C known on the device only: the driver broadcasts its C column (``make_plan``)
         args["unsettled"] = tuple(plan.unsettled)
     args.update(padding or {})
     return args
@@ -129,7 +129,8 @@ def idle_plan_args(step_id: int, num_tokens: int, num_rows: int, padding: dict |
     return args
 
 
-def make_plan(layout: CacheLayout, num_slots: int, args: dict, device, c_column: torch.Tensor | None = None) -> StepPlan:
+def make_plan(layout: CacheLayout, num_slots: int, args: dict, device,
+              c_column: torch.Tensor | None = None) -> StepPlan:
     """A rank's plan from the driver's arguments; ``c_column``: the driver's C of each request (on the device)
     when some are unsettled (an overlapped MTP step's accepted drafts), applied as the driver's shift."""
     shift = None
@@ -179,9 +180,9 @@ class LaneRunner(ModelRunner):
 # ---- the driver ---------------------------------------------------------------------------------------------------
 class DistributedRunner(LaneRunner):
     """The engine's runner on rank 0: same ``forward`` / ``propose`` as ModelRunner, and every pass is
-    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). Steps without MTP
-    overlap (inputs still on the device are broadcast, see the module doc); MTP steps do not, since acceptance
-    is read on the host and the draft tokens go to the ranks in messages (``drafts_from_device``)."""
+    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). Steps overlap: what
+    only the driver's device knows is broadcast (see the module doc); MTP steps do not under attention DP
+    (``drafts_from_device``)."""
 
     supports_overlap = True
 
@@ -266,9 +267,8 @@ class DistributedRunner(LaneRunner):
             self.group.collectives.broadcast(local.rows[:local.num_seqs].to(torch.long).contiguous())
         if values is not None:
             self.group.collectives.broadcast(values)
-        with self.pass_context():
-            X, logits0, inputs, _ = self._run_target(local, works[0].token_ids, counts[0][1], graphed,
-                                                     pending_of(works[0], values))
+        X, logits0, inputs = self.run_target(local, works[0].token_ids, counts[0][1], graphed,
+                                             pending_of(works[0], values))
         lane_logits = [logits0]
         if self.dp:
             got = gather_lanes(self.group.collectives, logits0, [len(w.logit_rows) for w in works],
@@ -364,8 +364,8 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
             if msg.pending_ids:  # the driver's previous tokens (its broadcast follows the message)
                 values = group.collectives.broadcast(torch.empty(msg.pending_ids, dtype=torch.long,
                                                                  device=runner.device))
-            X, logits = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed,
-                                          pending_of(work, values))
+            X, logits, _ = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed,
+                                             pending_of(work, values))
             if dp:
                 gather_lanes(group.collectives, logits, [len(w.logit_rows) for w in msg.lanes],
                              runner.model.cfg.vocab_size, runner.device)
