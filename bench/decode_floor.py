@@ -18,6 +18,7 @@ from dsv4.config import get_preset
 
 CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
 CHECKPOINT_FP4 = 0.5 + 1 / 32  # the routed experts: e2m1 pairs, an e8m0 scale per 32 inputs
+STORED_FP8 = 1 + 4 / 128 ** 2  # the engine's FP8 linears (linear_format fp8): e4m3, a float32 scale per block
 
 
 def step_bytes(cfg, batch: int, context: int, elt: int = 2, expert_elt: float = 2,
@@ -68,13 +69,15 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
+    ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     cfg = get_preset(args.preset)
     bw = copy_bandwidth()
     llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
               max_seq_len=args.prompt_len + 3 * args.steps + 16, kv_cache_config={"free_gpu_memory_fraction": 0.2},
-              moe_config={"expert_format": args.expert_format})
+              moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format)
+    fp8_elt = STORED_FP8 if args.linear_format == "fp8" else None
     expert_elt = stored_bytes_per_expert_weight(llm.model)
     eng = llm.engine
     rng = random.Random(0)
@@ -102,7 +105,7 @@ def main():
         replay = None
         if g is not None and B in g._b and "target" in g._b[B].graphs:  # the step's forward alone (GPU time)
             replay, _ = timed(g._b[B].graphs["target"].replay, repeat=20)
-        b = step_bytes(cfg, B, args.prompt_len + 4, expert_elt=expert_elt)
+        b = step_bytes(cfg, B, args.prompt_len + 4, expert_elt=expert_elt, fp8_elt=fp8_elt)
         floor = b["total"] / bw
         own = step_bytes(cfg, B, args.prompt_len + 4, expert_elt=CHECKPOINT_FP4, fp8_elt=CHECKPOINT_FP8)["total"] / bw
         pct = " / ".join(f"{100 * floor / x:.1f}%" for x in (t, t_row, t_overlap))
@@ -114,7 +117,7 @@ def main():
                   "forward alone ms (graph replay)", "GB read", "of which experts", "lm head",
                   "floor in the checkpoint's precision ms (% of it, overlapped)"], rows)
     what = (f"{args.preset}, bf16, routed experts {args.expert_format} ({expert_elt:.3f} bytes per weight as"
-            f" stored), {args.prompt_len}-token prompts")
+            f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts")
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"

@@ -12,29 +12,12 @@ import argparse
 import itertools
 
 import torch
-from common import copy_bandwidth, report, table
+from common import LAUNCHES, copy_bandwidth, median_us, report, table
 
 from dsv4.checkpoint.quant import pack_fp4_stacked
 from dsv4.kernels.moe import GEMM_CONFIG, GEMM_CONFIG_FP4, GEMM_CONFIG_SORTED, _grouped_gemm, align
 
 COPIES = 6  # weight copies cycled through: 6 x 6 experts' w1 in FP4 is 160 MB, past the H200's 60 MB of L2
-LAUNCHES = 24
-
-
-def median_us(fn, copies: int) -> float:
-    """Median over 5 samples of the mean time of LAUNCHES launches ``fn(i % copies)``."""
-    fn(0)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):  # back-to-back launches per sample: the host's launch cost is hidden
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for i in range(LAUNCHES):
-            fn(i % copies)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / LAUNCHES)
-    return sorted(times)[len(times) // 2]
 
 
 def cfg_name(c: dict) -> str:

@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--moe-rows", type=int, default=0, choices=[0, 16],
                     help="16: the grouped MoE keeps row blocks of 16 at every size (the earlier prefill), for the ratio")
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
+    ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     cfg = get_preset(args.preset)
@@ -72,7 +73,7 @@ def main():
     llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_batch_size=1,
               max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
               kv_cache_config={"free_gpu_memory_fraction": 0.5}, attention_backend=args.attention_backend,
-              moe_config={"expert_format": args.expert_format})
+              moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format)
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     rows = []
@@ -86,7 +87,8 @@ def main():
     text = table(["prompt tokens", "chunks", "TTFT (ms)", "prefill tok/s", "achieved TFLOP/s",
                   "of the bf16 dense peak (989)"], rows)
     report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}, attention {args.attention_backend}, "
-           f"experts {args.expert_format}" + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else ""),
+           f"experts {args.expert_format}, linears {args.linear_format}"
+           + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else ""),
            text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")
 

@@ -58,6 +58,10 @@ class LLM:
         device = cfg.device
         self._group = None
         self.mapping = ParallelMapping.from_engine_config(cfg)  # refuses what cannot run (pp > 1, ...)
+        if cfg.linear_format == "fp8" and self.mapping.world_size > 1:  # refused before any rank starts
+            raise EngineConfigError("linear_format fp8 runs on one device so far (its block scales are not split"
+                                    " across ranks); use linear_format dequantized with tensor_parallel_size,"
+                                    " moe_expert_parallel_size or enable_attention_dp")
         self.mapping.check_devices(device)
         if self.mapping.world_size > 1:
             from .parallel.driver import serve_torchrun, torchrun_rank
@@ -86,7 +90,8 @@ class LLM:
         try:
             if self.mapping.world_size == 1:
                 self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed,
-                                        expert_format=cfg.moe_config.expert_format)
+                                        expert_format=cfg.moe_config.expert_format,
+                                        linear_format=cfg.linear_format)
             else:
                 from .parallel.driver import load_rank_model, start_group
 

@@ -229,6 +229,65 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     assert out == [o.outputs[0].token_ids for o in twin.generate(prompts, sp)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M, G, N, K, split", [
+    (1, 1, 1024, 4096, None),   # Flash's wq_a at batch 1: split-K
+    (32, 1, 4096, 8192, None),  # wo_b at batch 32
+    (5, 8, 1024, 4096, None),   # wo_a: 8 groups
+    (3, 3, 64, 300, None),      # groups of 64 rows: a scale block spans two groups; K ends inside a block
+    (128, 1, 200, 1000, 3),     # fixed_rows' chunk, forced split, N and K not multiples of a tile
+    (17, 1, 32768, 1024, 1),
+])
+def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
+    """The weight-only FP8 kernel (split-K or not, grouped or not) against dequantise-then-GEMM in fp64; a
+    wrong scale fails it."""
+    from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
+    from dsv4.kernels import fp8_linear as f8
+
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N)
+    q, s = quant_fp8_block(torch.randn(G * N, K, device="cuda", generator=g) * 0.05)
+    s = e8m0_to_float(s)
+    w = q.view(G, N, K)
+    x = torch.randn(M, G, K, device="cuda", generator=g).to(dtype)
+    ref = torch.einsum("mgk,gnk->mgn", x.double(), f8.dequantize(w, s, torch.float64))
+    out = f8._launch(x, w, s, split=split)
+    assert out.dtype == dtype and out.shape == (M, G, N)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    if G == 1:
+        assert rel_err(f8.fp8_linear(x[:, 0], q, s), ref[:, 0]) < tol
+    else:
+        assert rel_err(f8.grouped_fp8_linear(x, w, s), ref) < tol
+    wrong = s.clone()
+    wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs
+    r = min(N, G * N - (G * N - 1) // 128 * 128)
+    assert rel_err(f8._launch(x, w, wrong, split=split)[:, -1, -r:], ref[:, -1, -r:]) > 10 * tol
+
+
+def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():
+    """fp32, CUDA graphs, MTP 2: tiny with FP8 linears gives the tokens of tiny whose linears are the same
+    FP8-rounded weights, dequantised (so the FP8 kernel runs inside the engine's graphs and fused groups)."""
+    from dsv4 import SamplingParams
+    from dsv4.checkpoint.names import is_fp8_linear
+    from dsv4.kernels.fp8_linear import dequantize
+    from dsv4.model.linear_weights import quantize_linear
+    from dsv4.model.rows import Linear
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, [7] * 3, list(range(2, 90))]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+    f8 = _engine("tiny", linear_format="fp8", speculative_config=spec)
+    assert f8.model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    twin = _engine("tiny", speculative_config=spec)
+    for name, m in twin.model.named_modules():
+        if isinstance(m, Linear) and is_fp8_linear(name + ".weight"):
+            q = quantize_linear(name + ".weight", m.weight)
+            m.weight.copy_(dequantize(q[name + ".weight"], q[name + ".scale"], m.weight.dtype))
+    out = [o.outputs[0].token_ids for o in f8.generate(prompts, sp)]
+    assert f8.engine.runner.graphs.num_replays > 0
+    assert out == [o.outputs[0].token_ids for o in twin.generate(prompts, sp)]
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
     """fp32, CUDA graphs on with padding: 5 decoding requests replay the 8 bucket; tokens equal the dense

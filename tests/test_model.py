@@ -187,8 +187,9 @@ def test_fused_projections_equal_the_modules():
     fused.fuse_projections()
     for blk in list(fused.layers) + list(fused.mtp):
         f = blk.attn.fused_input
-        assert f is not None and all(m.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()
-                                     for _, m in blk.attn.input_linears())
+        assert f is not None and len(f.groups) == 1  # one format: one GEMM
+        assert all(m.weight.untyped_storage().data_ptr() == f.groups[0].weight.untyped_storage().data_ptr()
+                   for _, m in blk.attn.input_linears())
     assert {k: v.shape for k, v in fused.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
     assert all(torch.equal(fused.state_dict()[k], v) for k, v in plain.state_dict().items())
     x = torch.randn(7, cfg.hidden_size)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig, load_config
 from .names import (detect_naming, deepseek_to_model, hf_items_to_deepseek,
-                    is_fused_hf_expert, model_to_deepseek, model_to_hf, split_expert_key, to_deepseek_name)
+                    is_fp8_linear, is_fused_hf_expert, model_to_deepseek, model_to_hf, split_expert_key, to_deepseek_name)
 from .quant import (FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8_block, is_e8m0, is_fp4_packed, quant_fp4,
                     quant_fp8_block)
 from .schema import CheckpointError, tensor_dtype, validate_state_dict
@@ -229,9 +229,7 @@ def load_checkpoint(checkpoint_dir: str, dtype: torch.dtype = torch.float32, dev
 # ------------------------------------------------------------------------------------------------
 # writing
 # ------------------------------------------------------------------------------------------------
-# DeepSeek file names of the linears shipped as FP8 block-128, and of the routed experts shipped as FP4.
-_FP8_NAME = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
-                       r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
+# DeepSeek file names of the routed experts shipped as FP4 (the FP8 linears: names.is_fp8_linear).
 _FP4_NAME = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
@@ -242,7 +240,7 @@ def _quantize_deepseek(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """DeepSeek-named tensors -> the shipped layout: FP8 linears and FP4 experts, each with ``X.scale``."""
     out = {}
     for name, t in tensors.items():
-        quant = quant_fp8_block if _FP8_NAME.search(name) else quant_fp4 if _FP4_NAME.search(name) else None
+        quant = quant_fp8_block if is_fp8_linear(name) else quant_fp4 if _FP4_NAME.search(name) else None
         if quant is None:
             out[name] = t
             continue

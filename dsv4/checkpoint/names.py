@@ -24,6 +24,9 @@ from .schema import MTP_PREFIX, CheckpointError
 # deepseek per-expert key; its ``.scale`` stacks too where the engine keeps the experts packed (``w1_scale``)
 _EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 _STACKED_KEY = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")  # model stacked key
+# the linears DeepSeek ships as FP8 block-128 (the same name in DeepSeek's and the model's naming)
+_FP8_LINEAR = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
+                         r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
 
 # ---- deepseek <-> hf, top level
 _TOP_TO_HF = {
@@ -150,6 +153,12 @@ def split_expert_key(name: str) -> tuple[str, int] | None:
     if not m:
         return None
     return f"{m.group(1)}.{m.group(3)}" + ("_scale" if m.group(4) == "scale" else ""), int(m.group(2))
+
+
+def is_fp8_linear(name: str) -> bool:
+    """A weight DeepSeek ships as FP8 e4m3 with block-128 scales (attention, indexer query, shared expert and
+    MTP projections)."""
+    return _FP8_LINEAR.search(name) is not None
 
 
 def is_stacked_expert(name: str) -> bool:

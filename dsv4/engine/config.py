@@ -121,6 +121,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     cuda_graph_config: CudaGraphConfig | None = None
     moe_config: MoeConfig = field(default_factory=MoeConfig)
+    # the linears DeepSeek ships as FP8 (attention, shared experts, MTP): "dequantized" (the model dtype) or
+    # "fp8" (e4m3 with block-128 scales kept on the device, multiplied weight-only: half the bytes a decode step
+    # reads for them). dsv4.model.linear_weights
+    linear_format: str = "dequantized"
     enforce_eager: bool = False
     # the overlap scheduler (on by default, as in TensorRT-LLM): a step without MTP is launched before the
     # previous step's tokens are read back, so the host's bookkeeping runs while the device computes
@@ -141,6 +145,8 @@ class EngineConfig:
             if not 1 <= getattr(self, name) <= most:
                 raise EngineConfigError(f"{name} must be in [1, {most}], got {getattr(self, name)}")
         _check_device(self.device)
+        if self.linear_format not in ("dequantized", "fp8"):
+            raise EngineConfigError(f"linear_format {self.linear_format!r}: use dequantized or fp8")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise EngineConfigError(f"attention_backend {self.attention_backend!r}: use auto, torch or triton")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -243,6 +243,6 @@ class Attention(nn.Module):
         o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
-        o = grouped_linear(o, wo_a)  # [N, g, o_lora]
+        o = grouped_linear(o, wo_a, self.wo_a.weight_scale)  # [N, g, o_lora]
         return self.wo_b(o.flatten(1))
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.fp8_linear import BLOCK as FP8_BLOCK, dequantize, fp8_linear, grouped_fp8_linear
+
 ROWS = 128  # rows per GEMM under batch invariance: a decode/verify step of 32 requests x (1 + 3 drafts) in one
 _fixed: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_fixed_rows", default=None)
 
@@ -48,27 +50,55 @@ def _chunked(x: torch.Tensor, rows: int, fn) -> torch.Tensor:
     return torch.cat([fn(c) for c in x.split(rows)])[:M]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias), per row the same for any number of rows under ``fixed_rows``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias), per row the same for any number of rows under ``fixed_rows``.
+    ``scale``: the weight is FP8 with these block scales (``dsv4.kernels.fp8_linear``)."""
+    fn = (lambda c: F.linear(c, weight)) if scale is None else (lambda c: fp8_linear(c, weight, scale))
     rows = _fixed.get()
     if rows is None:
-        return F.linear(x, weight)
+        return fn(x)
     flat = x.reshape(-1, x.shape[-1])
-    return _chunked(flat, rows, lambda c: F.linear(c, weight)).reshape(*x.shape[:-1], weight.shape[0])
+    return _chunked(flat, rows, fn).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, g, i], weight [g, o, i] -> [N, g, o]: each group's rows times its own weight."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, g, i], weight [g, o, i] -> [N, g, o]: each group's rows times its own weight (``scale``: FP8 block
+    scales over the weight as [g * o, i])."""
+    if scale is None:
+        fn = lambda c: torch.einsum("ngi,goi->ngo", c, weight)  # noqa: E731
+    else:
+        fn = lambda c: grouped_fp8_linear(c, weight, scale)  # noqa: E731
     rows = _fixed.get()
-    if rows is None:
-        return torch.einsum("ngi,goi->ngo", x, weight)
-    return _chunked(x, rows, lambda c: torch.einsum("ngi,goi->ngo", c, weight))
+    return fn(x) if rows is None else _chunked(x, rows, fn)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose product follows ``fixed_rows`` (same parameters and state-dict names)."""
+    """``nn.Linear`` whose product follows ``fixed_rows`` (same parameters and state-dict names). After
+    ``use_fp8`` its weight is an FP8 e4m3 buffer with a float32 ``scale`` per 128x128 block (state-dict names
+    ``X.weight``, ``X.scale``), multiplied weight-only (``dsv4.kernels.fp8_linear``)."""
+
+    fp8 = False
+
+    def use_fp8(self) -> None:
+        """Switch to the FP8 layout (on the meta device, before an FP8 state dict is adopted)."""
+        if self.fp8:
+            return
+        out, inp = self.weight.shape
+        device = self.weight.device
+        del self._parameters["weight"]
+        self.register_buffer("weight", torch.empty(out, inp, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("scale", torch.empty(-(-out // FP8_BLOCK), -(-inp // FP8_BLOCK), device=device))
+        self.fp8 = True
+
+    @property
+    def weight_scale(self) -> torch.Tensor | None:
+        """The FP8 block scales, None for a plain weight."""
+        return self.scale if self.fp8 else None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype`` (dequantised when FP8)."""
+        return dequantize(self.weight, self.scale, dtype) if self.fp8 else self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
-            return linear(x, self.weight) + self.bias
-        return linear(x, self.weight)
+        y = linear(x, self.weight, self.weight_scale)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,137 @@
+"""Linears whose weights stay FP8 on the device: e4m3 values with one float32 (power-of-two) scale per 128x128
+block, as DeepSeek ships its attention, shared-expert and MTP linears (the engine's ``linear_format: fp8``).
+
+Weight-only: the activations stay in the model dtype. The kernel loads an FP8 tile, widens it to the
+activation dtype (exact: an e4m3 value is a bf16 value), multiplies on the tensor cores in fp32 and scales
+each 128-input block's partial sum by its block's scale (exact: a power of two). A decode step reads half the
+bytes of a bf16 weight. At decode sizes the output columns alone do not fill the GPU, so the inputs are split
+(split-K) into partial sums [S, M, N] added in a fixed order afterwards (deterministic, no atomics).
+
+``fp8_linear_torch`` (dequantise the weight, then one GEMM) is the twin: same products, other summation
+order. Steps of more than ``KERNEL_MAX_ROWS`` rows (prefill chunks) take it on the GPU too: there the GEMM is
+compute-bound and a dequantised copy of the weight costs little next to it.
+
+Measured on the H200 (bench/fp8_linear_gpu.py, BENCHMARKS.md): it reads its bytes at 15-39% of the copy
+bandwidth where cuBLAS reads bf16 at 38-88%, so at one row it takes 0.6-0.96x cuBLAS's time on Flash's
+projections, not the half its bytes allow; ``dequantized`` stays the engine's default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import HAVE_TRITON, on
+
+BLOCK = 128  # inputs (and outputs) per scale
+KERNEL_MAX_ROWS = 128  # more rows: dequantise and run one GEMM (the twin); fixed_rows' chunks stay on the kernel
+TARGET_PROGRAMS = 264  # two per SM of an H200: the split-K factor aims for this many programs
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the best of fp8_linear_gpu.py's sweep on most shapes
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [..., out, in] e4m3, scale [ceil(out/128), ceil(in/128)] float32 over the weight's two last dims
+    flattened to [prod(...) * out, in] (a grouped weight shares one block grid) -> dtype."""
+    shape = weight.shape
+    w = weight.reshape(-1, shape[-1])
+    rows, cols = w.shape
+    s = scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return (w.to(torch.float32) * s).to(dtype).view(shape)
+
+
+def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., in] times the dequantised weight [out, in] -> [..., out] in x's dtype."""
+    return torch.nn.functional.linear(x, dequantize(weight, scale, x.dtype))
+
+
+def grouped_fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [N, g, in], weight [g, out, in] (scale over [g * out, in]) -> [N, g, out]."""
+    return torch.einsum("ngi,goi->ngo", x, dequantize(weight, scale, x.dtype))
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (on(x, weight) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and 0 < rows <= KERNEL_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous())
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8_linear_torch`` on the kernel where it fits."""
+    if not usable(x, weight):
+        return fp8_linear_torch(x, weight, scale)
+    flat = x.reshape(-1, x.shape[-1])
+    out = _launch(flat.unsqueeze(1), weight.unsqueeze(0), scale)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``grouped_fp8_linear_torch`` on the kernel where it fits."""
+    if not usable(x, weight):
+        return grouped_fp8_linear_torch(x, weight, scale)
+    return _launch(x, weight, scale)
+
+
+def split_for(tiles: int, k_blocks: int) -> int:
+    """Input splits so that ``tiles`` output tiles make about TARGET_PROGRAMS programs (at most one split per
+    128-input block)."""
+    return max(1, min(k_blocks, TARGET_PROGRAMS // max(tiles, 1)))
+
+
+def _block_m(M: int) -> int:
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: dict | None = None,
+            split: int | None = None) -> torch.Tensor:
+    """x [M, G, K] (unit stride along K), weight [G, N, K] e4m3 contiguous, scale over [G * N, K] -> [M, G, N]."""
+    cfg = {**CONFIG, **(config or {})}
+    M, G, K = x.shape
+    N = weight.shape[1]
+    BM, BN = _block_m(M), cfg["BLOCK_N"]
+    k_blocks = triton.cdiv(K, BLOCK)
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN) * G
+    S = split or split_for(tiles, k_blocks)
+    k_per_split = triton.cdiv(k_blocks, S) * BLOCK
+    S = triton.cdiv(K, k_per_split)  # no empty split
+    out = torch.empty(S, M, G, N, dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM) * S, G)
+    _fp8_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0), k_per_split,
+                      triton.cdiv(M, BM), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, IEEE=x.dtype == torch.float32,
+                      num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"])
+    return out[0] if S == 1 else out.sum(0).to(x.dtype)
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split, m_blocks,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        # out^T = W x^T ("swap AB"): the widened weight tile is the dot's first operand, which the tensor cores
+        # take from registers, so it never makes a round trip through shared memory; the few rows of x are
+        # the second
+        pid_n, pid_ms, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_m, split = pid_ms % m_blocks, pid_ms // m_blocks
+        G = tl.num_programs(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        s_row = (g * N + rn) // BLOCK_K  # the block row of each output (a group's rows continue the grid)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        k_start = split * k_per_split
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            xt = tl.load(X + rm[None, :] * stride_xm + g * stride_xg + k[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                         other=0.0)  # [BLOCK_K, BLOCK_M]
+            w = tl.load(W + (g * N + rn)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            s = tl.load(S + s_row * stride_s + k0 // BLOCK_K, mask=n_ok, other=0.0)  # [BLOCK_N]
+            if IEEE:  # fp32 activations: full-precision products, not TF32
+                part = tl.dot(w.to(xt.dtype), xt, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                part = tl.dot(w.to(xt.dtype), xt, out_dtype=tl.float32)
+            acc += part * s[:, None]
+        dst = OUT + ((split * M + rm[None, :]) * G + g) * N + rn[:, None]
+        tl.store(dst, acc.to(OUT.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])

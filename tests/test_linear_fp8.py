@@ -1,0 +1,145 @@
+"""The FP8-shipped linears kept as FP8 (``linear_format: fp8``) against the dequantised twin.
+
+A DeepSeek-layout checkpoint's linears are FP8 already, so the FP8 model must compute exactly what the
+dequantised one computes (the quantisation at load is the inverse of the decode at read); random presets are
+rounded to FP8 and then equal a dequantised model of the rounded weights. The Triton kernel's twin tests are
+in test_kernels_cuda.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from dsv4 import LLM, SamplingParams
+from dsv4.checkpoint.init_random import random_state_dict
+from dsv4.checkpoint.io import write_checkpoint
+from dsv4.checkpoint.names import is_fp8_linear
+from dsv4.config import get_preset
+from dsv4.engine.config import EngineConfigError
+from dsv4.kernels.fp8_linear import dequantize, fp8_linear_torch, grouped_fp8_linear_torch
+from dsv4.model.fused import FusedLinears
+from dsv4.model.linear_weights import quantize_linear
+from dsv4.model.loader import load_model, load_state
+from dsv4.model.rows import Linear, fixed_rows, grouped_linear, linear
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 8, 7] * 5, [200]]
+SP = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def _greedy(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)]
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """tiny written as DeepSeek ships it: FP8 block-128 linears (e8m0 scales), FP4 routed experts."""
+    cfg = get_preset("tiny")
+    path = tmp_path_factory.mktemp("tiny-fp8")
+    write_checkpoint(str(path), cfg, random_state_dict(cfg, seed=5), quantize="fp8")
+    return str(path)
+
+
+def _fp8_linear(out: int, inp: int, g: torch.Generator) -> Linear:
+    m = Linear(inp, out, bias=False)
+    q = quantize_linear("layers.0.attn.wq_a.weight", torch.randn(out, inp, generator=g))
+    m.use_fp8()
+    m.load_state_dict({"weight": q["layers.0.attn.wq_a.weight"], "scale": q["layers.0.attn.wq_a.scale"]})
+    return m
+
+
+def test_the_quantisation_at_load_is_the_inverse_of_the_decode_at_read(fp8_checkpoint):
+    """Every FP8-shipped linear comes back as e4m3 values and float32 scales whose product is exactly the
+    dequantised load's weight (so nothing is rounded twice); the other tensors are the dequantised load's."""
+    _, dq, _ = load_state(fp8_checkpoint)
+    _, f8, _ = load_state(fp8_checkpoint, linear_format="fp8")
+    fp8_names = [k for k in dq if is_fp8_linear(k)]
+    assert len(fp8_names) >= 4 * 5 and any(k.startswith("mtp.") for k in fp8_names)
+    for k, v in dq.items():
+        if k in fp8_names:
+            assert f8[k].dtype == torch.float8_e4m3fn and f8[k[:-7] + ".scale"].dtype == torch.float32
+            assert torch.equal(dequantize(f8[k], f8[k[:-7] + ".scale"], v.dtype), v), k
+        else:
+            assert torch.equal(f8[k], v), k
+    assert set(f8) == set(dq) | {k[:-7] + ".scale" for k in fp8_names}
+
+
+def test_a_fp8_checkpoint_gives_the_same_logits_and_tokens_fp8_or_dequantised(fp8_checkpoint):
+    dq = load_model(fp8_checkpoint)
+    f8 = load_model(fp8_checkpoint, linear_format="fp8")
+    wq_a = f8.layers[0].attn.wq_a
+    assert wq_a.fp8 and wq_a.weight.dtype == torch.float8_e4m3fn
+    assert not f8.head.fp8 and not f8.layers[1].attn.compressor.wkv.fp8  # bf16 in the checkpoint: unchanged
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(f8(ids), dq(ids))
+    assert torch.equal(f8.mtp_logits(ids), dq.mtp_logits(ids))
+    a = LLM(fp8_checkpoint, warmup=False, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    b = LLM(fp8_checkpoint, warmup=False, linear_format="fp8",
+            speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    assert _greedy(a) == _greedy(b)
+
+
+def test_a_preset_in_fp8_equals_its_rounded_dequantised_twin():
+    """Random weights are rounded to FP8: the FP8 engine equals an engine whose linears are the rounded weights
+    decoded (and differs from the unrounded one, so the comparison can fail)."""
+    b = LLM("tiny", warmup=False, linear_format="fp8")
+    a = LLM("tiny", warmup=False)
+    rounded = 0
+    for name, m in a.model.named_modules():
+        if isinstance(m, Linear) and is_fp8_linear(name + ".weight"):
+            q = quantize_linear(name + ".weight", m.weight)
+            m.weight.copy_(dequantize(q[name + ".weight"], q[name + ".scale"], m.weight.dtype))
+            rounded += 1
+    assert rounded == sum(1 for m in b.model.modules() if isinstance(m, Linear) and m.fp8)
+    out = _greedy(b)
+    assert out == _greedy(a)
+    assert out != _greedy(LLM("tiny", warmup=False))
+
+
+@pytest.mark.parametrize("sizes", [(256, 128, 64), (96, 64, 128)])
+def test_fused_fp8_and_plain_linears_equal_the_modules_one_by_one(sizes):
+    """FusedLinears splits its modules by format: the FP8 ones share a GEMM when their rows fill whole scale
+    blocks (the first case), each keeps its own otherwise (the second: 96 rows end inside a block)."""
+    g = torch.Generator().manual_seed(0)
+    named = [(f"f{i}", _fp8_linear(n, 256, g)) for i, n in enumerate(sizes)]
+    plain = nn.Linear(256, 40, bias=False)
+    nn.init.normal_(plain.weight, generator=g)
+    named.insert(1, ("p", plain))
+    x = torch.randn(5, 256, generator=g)
+    want = {n: m(x) for n, m in named}
+    fused = FusedLinears(named)
+    assert len(fused.groups) == (2 if sizes[0] % 128 == 0 else 1 + len(sizes))
+    got = fused(x)
+    assert set(got) == set(want)
+    for n in want:
+        assert torch.allclose(got[n], want[n], atol=1e-5, rtol=1e-5), n
+        assert torch.allclose(dict(named)[n](x), want[n], atol=1e-5, rtol=1e-5), n  # modules now views: same
+
+
+def test_fp8_products_follow_fixed_rows_and_groups():
+    """``linear`` and ``grouped_linear`` with scales equal the dequantised weight's product, also in fixed-row
+    chunks; a grouped weight's scales run over [g * out, in] (a block may span two groups)."""
+    g = torch.Generator().manual_seed(1)
+    m = _fp8_linear(192, 300, g)
+    x = torch.randn(7, 300, generator=g)
+    ref = x @ m.dense_weight(torch.float32).T
+    assert torch.allclose(fp8_linear_torch(x, m.weight, m.scale), ref, atol=1e-5)
+    with fixed_rows(4):
+        assert torch.allclose(linear(x, m.weight, m.scale), ref, atol=1e-5)
+    w3 = m.weight.view(3, 64, 300)  # 3 groups of 64 rows: the second group's rows straddle block rows 0 and 1
+    xg = torch.randn(7, 3, 300, generator=g)
+    dense = m.dense_weight(torch.float32).view(3, 64, 300)
+    ref = torch.einsum("ngi,goi->ngo", xg, dense)
+    assert torch.allclose(grouped_fp8_linear_torch(xg, w3, m.scale), ref, atol=1e-5)
+    with fixed_rows(4):
+        assert torch.allclose(grouped_linear(xg, w3, m.scale), ref, atol=1e-5)
+    wrong = m.scale.clone()
+    wrong[1] *= 2
+    assert not torch.allclose(grouped_fp8_linear_torch(xg, w3, wrong), ref, atol=1e-3)
+
+
+def test_bad_linear_formats_are_refused_before_loading():
+    with pytest.raises(EngineConfigError, match="linear_format 'fp4': use dequantized or fp8"):
+        LLM("tiny", warmup=False, linear_format="fp4")
+    with pytest.raises(EngineConfigError, match="linear_format fp8 runs on one device so far"):
+        LLM("tiny", warmup=False, tensor_parallel_size=2, linear_format="fp8")
+    with pytest.raises(ValueError, match="linear_format 'int8'"):
+        load_model("tiny", linear_format="int8")
