@@ -234,6 +234,7 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     (1, 1, 1024, 4096, None),   # Flash's wq_a at batch 1: split-K
     (32, 1, 4096, 8192, None),  # wo_b at batch 32
     (5, 8, 1024, 4096, None),   # wo_a: 8 groups
+    (32, 8, 1024, 4096, None),  # wo_a at batch 32: 256 rows x groups, 32 rows of the product (the kernel's)
     (3, 3, 64, 300, None),      # groups of 64 rows: a scale block spans two groups; K ends inside a block
     (128, 1, 200, 1000, 3),     # fixed_rows' chunk, forced split, N and K not multiples of a tile
     (17, 1, 32768, 1024, 1),
@@ -257,6 +258,7 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     if G == 1:
         assert rel_err(f8.fp8_linear(x[:, 0], q, s), ref[:, 0]) < tol
     else:
+        assert f8.usable(x, w, M)  # a grouped product's rows are x's rows, not rows x groups
         assert rel_err(f8.grouped_fp8_linear(x, w, s), ref) < tol
     wrong = s.clone()
     wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs

@@ -48,15 +48,15 @@ def grouped_fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch
     return torch.einsum("ngi,goi->ngo", x, dequantize(weight, scale, x.dtype))
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // max(x.shape[-1], 1)
+def usable(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """``rows``: the rows of the product (a grouped product's rows each hold all its groups)."""
     return (on(x, weight) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and 0 < rows <= KERNEL_MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous())
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``fp8_linear_torch`` on the kernel where it fits."""
-    if not usable(x, weight):
+    if not usable(x, weight, x.numel() // max(x.shape[-1], 1)):
         return fp8_linear_torch(x, weight, scale)
     flat = x.reshape(-1, x.shape[-1])
     out = _launch(flat.unsqueeze(1), weight.unsqueeze(0), scale)
@@ -65,7 +65,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
 
 def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``grouped_fp8_linear_torch`` on the kernel where it fits."""
-    if not usable(x, weight):
+    if not usable(x, weight, x.shape[0]):
         return grouped_fp8_linear_torch(x, weight, scale)
     return _launch(x, weight, scale)
 
