@@ -270,10 +270,8 @@ def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():
     """fp32, CUDA graphs, MTP 2: tiny with FP8 linears gives the tokens of tiny whose linears are the same
     FP8-rounded weights, dequantised (so the FP8 kernel runs inside the engine's graphs and fused groups)."""
     from dsv4 import SamplingParams
-    from dsv4.checkpoint.names import is_fp8_linear
-    from dsv4.kernels.fp8_linear import dequantize
-    from dsv4.model.linear_weights import quantize_linear
-    from dsv4.model.rows import Linear
+
+    from .fp8_twin import round_fp8_linears
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, [7] * 3, list(range(2, 90))]
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -281,10 +279,7 @@ def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():
     f8 = _engine("tiny", linear_format="fp8", speculative_config=spec)
     assert f8.model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
     twin = _engine("tiny", speculative_config=spec)
-    for name, m in twin.model.named_modules():
-        if isinstance(m, Linear) and is_fp8_linear(name + ".weight"):
-            q = quantize_linear(name + ".weight", m.weight)
-            m.weight.copy_(dequantize(q[name + ".weight"], q[name + ".scale"], m.weight.dtype))
+    round_fp8_linears(twin.model)
     out = [o.outputs[0].token_ids for o in f8.generate(prompts, sp)]
     assert f8.engine.runner.graphs.num_replays > 0
     assert out == [o.outputs[0].token_ids for o in twin.generate(prompts, sp)]

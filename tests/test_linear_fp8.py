@@ -21,6 +21,8 @@ from dsv4.model.linear_weights import quantize_linear
 from dsv4.model.loader import load_model, load_state
 from dsv4.model.rows import Linear, fixed_rows, grouped_linear, linear
 
+from .fp8_twin import round_fp8_linears
+
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 8, 7] * 5, [200]]
 SP = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -82,13 +84,7 @@ def test_a_preset_in_fp8_equals_its_rounded_dequantised_twin():
     decoded (and differs from the unrounded one, so the comparison can fail)."""
     b = LLM("tiny", warmup=False, linear_format="fp8")
     a = LLM("tiny", warmup=False)
-    rounded = 0
-    for name, m in a.model.named_modules():
-        if isinstance(m, Linear) and is_fp8_linear(name + ".weight"):
-            q = quantize_linear(name + ".weight", m.weight)
-            m.weight.copy_(dequantize(q[name + ".weight"], q[name + ".scale"], m.weight.dtype))
-            rounded += 1
-    assert rounded == sum(1 for m in b.model.modules() if isinstance(m, Linear) and m.fp8)
+    assert round_fp8_linears(a.model) == sum(1 for m in b.model.modules() if isinstance(m, Linear) and m.fp8)
     out = _greedy(b)
     assert out == _greedy(a)
     assert out != _greedy(LLM("tiny", warmup=False))
