@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.quant import FP8_BLOCK as BLOCK  # inputs (and outputs) per scale
-from ..checkpoint.quant import dequant_fp8_block
 from . import HAVE_TRITON, on
 
+BLOCK = 128  # inputs (and outputs) per scale
 KERNEL_MAX_ROWS = 128  # more rows: dequantise and run one GEMM (the twin); fixed_rows' chunks stay on the kernel
 TARGET_PROGRAMS = 264  # two per SM of an H200: the split-K factor aims for this many programs
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the best of fp8_linear_gpu.py's sweep on most shapes
@@ -32,7 +31,11 @@ CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the best of fp8_lin
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight [..., out, in] e4m3, scale [ceil(out/128), ceil(in/128)] float32 over the weight's two last dims
     flattened to [prod(...) * out, in] (a grouped weight shares one block grid) -> dtype."""
-    return dequant_fp8_block(weight.reshape(-1, weight.shape[-1]), scale, dtype).view(weight.shape)
+    shape = weight.shape
+    w = weight.reshape(-1, shape[-1])
+    rows, cols = w.shape
+    s = scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return (w.to(torch.float32) * s).to(dtype).view(shape)
 
 
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
