@@ -63,6 +63,8 @@ def main():
                     help="16: the grouped MoE keeps row blocks of 16 at every size (the earlier prefill), for the ratio")
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    ap.add_argument("--prefill-graph-sizes", type=int, nargs="*", default=None,
+                    help="cuda_graph_config.prefill_token_sizes (default: the engine's; give none for no prefill graphs)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     cfg = get_preset(args.preset)
@@ -73,7 +75,9 @@ def main():
     llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_batch_size=1,
               max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
               kv_cache_config={"free_gpu_memory_fraction": 0.5}, attention_backend=args.attention_backend,
-              moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format)
+              moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format,
+              cuda_graph_config={"prefill_token_sizes": args.prefill_graph_sizes})
+    graphs = llm.engine.runner.graphs
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     rows = []
@@ -88,7 +92,8 @@ def main():
                   "of the bf16 dense peak (989)"], rows)
     report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}, attention {args.attention_backend}, "
            f"experts {args.expert_format}, linears {args.linear_format}"
-           + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else ""),
+           + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else "")
+           + f", prefill graphs {graphs.prefill_tokens if graphs is not None else None}",
            text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")
 

@@ -411,6 +411,8 @@ BAD_SECTIONS = [
     ({"cuda_graph_config": {"batch_sizes": [0, 2]}}, "cuda_graph_config.batch_sizes must be a non-empty list"),
     ({"cuda_graph_config": {"batch_sizes": []}}, "cuda_graph_config.batch_sizes must be a non-empty list"),
     ({"cuda_graph_config": {"max_batch_size": -1}}, "cuda_graph_config.max_batch_size must be >= 0"),
+    ({"cuda_graph_config": {"prefill_token_sizes": [64, 0]}}, "cuda_graph_config.prefill_token_sizes must be a list"),
+    ({"cuda_graph_config": {"prefill_token_sizes": [True]}}, r"prefill_token_sizes\[0\]: expected an integer"),
 ]
 
 

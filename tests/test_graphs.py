@@ -140,3 +140,52 @@ def test_prefill_chunks_on_the_kernel_backend_equal_the_torch_path(kernel_path_o
     out = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
     assert out == ref
     assert max(chunks) == 64  # whole chunks went through it (window 8: the ring holds 8 + k rows per request)
+
+
+@pytest.mark.parametrize("k, kv, batch", [(0, "auto", 1), (2, "auto", 1), (2, "fp8", 1), (1, "auto", 3)])
+def test_prefill_graphs_equal_the_torch_path(kernel_path_on_cpu, k, kv, batch):
+    """One request's prefill chunk replays the prefill bucket of the next token count up (``prefill_token_sizes``,
+    padded with inert rows; its window from the ring's copy with the chunk appended), the MTP catch-up and draft
+    passes of that step too, on the static buffers; the tokens are the torch path's, the cache intact after every
+    step. Prompts longer than max_num_tokens replay for their last chunk only; with several requests in flight
+    (batch 3) their prefills share steps with decodes and run eagerly, and the first request's alone replays."""
+    rng = random.Random(k + batch)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 70, 96, 130, 200)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(max_batch_size=batch, max_num_tokens=96, max_seq_len=256, warmup=False,
+              kv_cache_config={"max_tokens": 4096, "dtype": kv},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+    ref = [o.outputs[0].token_ids for o in LLM("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
+    llm = LLM("tiny", cuda_graph_config={"enable_padding": True, "prefill_token_sizes": [16, 64, 96, 2048]}, **kw)
+    g = llm.engine.runner.graphs
+    assert g.prefill_tokens == [16, 64, 96]  # (above max_num_tokens: dropped)
+    chunks = []
+    target = g.target
+    g.target = lambda plan, ids: (chunks.append((plan.num_new, plan.shape.tokens)), target(plan, ids))[1]
+    eng = llm.engine
+    rids = [eng.add_request(p, sp) for p in prompts]
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.cache.check_integrity()
+    assert [eng.requests[r].output_ids for r in rids] == ref
+    prefills = [c for c in chunks if c[1] > batch * (1 + k)]
+    assert g.num_prefill_replays == len(prefills) > 0
+    assert all(len(n) == 1 and n[0] <= T and (T == 16 or n[0] > T // 2 or T == 96) for n, T in prefills)
+    if batch == 1:  # every prompt's (last) chunk: 9 -> 16, 40 -> 64, 70 -> 96, 96, 130 = 96 + 34 -> 64, ...
+        assert sorted(n[0] for n, _ in prefills) == sorted([9, 40, 70, 96, 96, 34, 96, 96, 8])
+
+
+def test_prefill_graph_buckets(kernel_path_on_cpu):
+    llm = LLM("tiny", max_batch_size=2, max_num_tokens=96, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              warmup=False, cuda_graph_config={"prefill_token_sizes": [16, 64]},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    g = llm.engine.runner.graphs
+    assert g.prefill_bucket_for(1, [4]) == 16 and g.prefill_bucket_for(1, [64]) == 64
+    assert g.prefill_bucket_for(1, [3]) is None  # a verify step's rows: the decode bucket
+    assert g.prefill_bucket_for(1, [65]) is None and g.prefill_bucket_for(2, [9, 9]) is None
+    default = LLM("tiny", max_batch_size=2, max_num_tokens=300, max_seq_len=256, warmup=False,
+                  kv_cache_config={"max_tokens": 4096}).engine.runner.graphs
+    assert default.prefill_tokens == [64, 128, 256]
+    none = LLM("tiny", max_batch_size=2, max_num_tokens=300, max_seq_len=256, warmup=False,
+               kv_cache_config={"max_tokens": 4096}, cuda_graph_config={"prefill_token_sizes": []}).engine.runner.graphs
+    assert none.prefill_tokens == [] and none.prefill_bucket_for(1, [40]) is None

@@ -76,3 +76,23 @@ def test_mini_whole_step_graph_equals_separate_graphs_on_cuda(prompts, reference
     assert traces[0] == traces[1]
     assert runs[0].stats == runs[1].stats and runs[1].stats["num_accepted_tokens"] > 0
     assert runs[0].whole_steps == 0 and runs[1].whole_steps > 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_mini_prefill_graphs_on_cuda_equal_eager_prefill_and_the_dense_reference(prompts, reference, k):
+    """One request at a time, chunks of up to 256 tokens (the prompts of 40-470 tokens: whole, or a 256 chunk
+    and the rest): every prefill chunk replays the prefill graph of the next size up (64/128/256 tokens, padded
+    with inert rows), with MTP's catch-up and draft passes; in fp32 the tokens, drafts and acceptance equal
+    those of eager prefill chunks, and the tokens the dense reference's."""
+    runs, traces = [], []
+    for sizes in ([64, 128, 256], []):
+        trace: list = []
+        runs.append(run_engine("mini", prompts, k, whole_step=False, after_step=_draft_trace(trace), device="cuda",
+                               max_batch_size=1, max_num_tokens=256,
+                               cuda_graph_config={"enable_padding": True, "batch_sizes": [1],
+                                                  "prefill_token_sizes": sizes}))
+        traces.append(trace)
+    graphed, eager = runs
+    assert graphed.prefill_replays >= len(prompts) and eager.prefill_replays == 0
+    assert graphed.outputs == eager.outputs == reference.outputs
+    assert traces[0] == traces[1] and graphed.stats == eager.stats

@@ -139,6 +139,7 @@ class Run:
     partial_chunks: int = 0  # prefill chunks that did not reach the end of their prompt
     device_verdicts: int = 0  # steps whose drafts were launched from acceptance still on the device
     whole_steps: int = 0  # steps that ran as one CUDA graph (verify, acceptance and drafts)
+    prefill_replays: int = 0  # prefill chunks that replayed a prefill graph
     pending: list = field(default_factory=list)  # what ``capture`` saw in the step now running
 
     def flush(self) -> None:
@@ -227,6 +228,7 @@ def run_engine(model: str, prompts, k: int, *, answers=None, seed: int = 0, afte
         eng.cache.check_integrity()
         run.stats = llm.get_stats()["speculative"]
         run.whole_steps = eng.runner.graphs.num_whole_steps if eng.runner.graphs is not None else 0
+        run.prefill_replays = eng.runner.graphs.num_prefill_replays if eng.runner.graphs is not None else 0
     return run
 
 

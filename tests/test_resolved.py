@@ -53,6 +53,10 @@ def test_resolve_decides_everything_once():
     g = r.graphs
     assert isinstance(g, GraphSpec) and g.buckets == (1, 2, 4) and g.rows_per_seq == 4 and g.with_mtp
     assert g.max_blocks == r.layout.num_blocks_for(128 + 3)
+    assert g.prefill_tokens == (64, 128, 256, 512, 1024)  # (the defaults up to max_num_tokens, 8192)
+    for parallel in ({"tensor_parallel_size": 2}, {"moe_expert_parallel_size": 2}, {"enable_attention_dp": True}):
+        spec = resolve(_cfg(max_batch_size=4, max_seq_len=128, kv_cache_config={"max_tokens": 512}, **parallel), mcfg)
+        assert spec.graphs.prefill_tokens == ()  # prefill graphs on one device only
     assert pickle.loads(pickle.dumps(r)).summary() == r.summary()  # sent whole to every rank
     assert resolve(_cfg(max_batch_size=4, enforce_eager=True, max_seq_len=128), mcfg).graphs is None
     with pytest.raises(EngineConfigError, match="max_position_embeddings"):

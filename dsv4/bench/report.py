@@ -125,7 +125,8 @@ def _graphs(llm) -> dict | None:
     if g is None:
         return None
     return {"captured": g.capture, "batch_sizes": list(g.buckets), "rows_per_request": g.rows,
-            "replays": g.num_replays}
+            "prefill_tokens": list(g.prefill_tokens), "replays": g.num_replays,
+            "prefill_replays": g.num_prefill_replays}
 
 
 def build_report(*, llm, settings, result: RunResult, model: str, model_path: str, model_kind: str,
@@ -241,7 +242,9 @@ def format_report(rep: dict) -> str:
     g = e.get("cuda_graphs")
     L.append(_row("CUDA graphs", "none (every step eager)" if g is None else
                   f"{'captured' if g['captured'] else 'static buffers, not captured (CPU)'}: batch sizes"
-                  f" {g['batch_sizes']} x {g['rows_per_request']} rows, {g['replays']} step(s) replayed"))
+                  f" {g['batch_sizes']} x {g['rows_per_request']} rows, one-request prefill chunks up to"
+                  f" {g.get('prefill_tokens')} tokens; {g['replays']} step(s) replayed"
+                  f" ({g.get('prefill_replays', 0)} prefill)"))
     L.append(_row("Overlap scheduler", e.get("overlap_scheduler", "-")))
     L.append(_row("KV cache dtype / tokens per block", f"{kv['dtype']} / {kv['tokens_per_block']}"))
     L.append(_row("KV cache free memory fraction",

@@ -64,11 +64,18 @@ class SpeculativeConfig:
         return self.max_draft_len if self.max_draft_len is not None else self.num_nextn_predict_layers
 
 
+# prefill chunks of one request replayed as CUDA graphs (CudaGraphConfig.prefill_token_sizes' default)
+DEFAULT_PREFILL_TOKEN_SIZES = (64, 128, 256, 512, 1024)
+
+
 @dataclass(frozen=True)
 class CudaGraphConfig:
     enable_padding: bool = False
     batch_sizes: list[int] | None = None
     max_batch_size: int = 0
+    # one request's prefill chunk of up to N tokens replays a graph captured for N tokens (padded with inert
+    # rows): None gives DEFAULT_PREFILL_TOKEN_SIZES (those up to max_num_tokens), [] none. One device only.
+    prefill_token_sizes: list[int] | None = None
 
     def __post_init__(self):
         if self.batch_sizes is not None and (not self.batch_sizes or not all(
@@ -78,6 +85,10 @@ class CudaGraphConfig:
         if self.max_batch_size < 0:
             raise EngineConfigError(f"cuda_graph_config.max_batch_size must be >= 0 (0: max_batch_size), got"
                                     f" {self.max_batch_size}")
+        if self.prefill_token_sizes is not None and not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.prefill_token_sizes):
+            raise EngineConfigError(f"cuda_graph_config.prefill_token_sizes must be a list of integers >= 1 ([]: no"
+                                    f" prefill graphs), got {self.prefill_token_sizes!r}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """CUDA graphs for decode and verify steps: one graph per padded batch size, rows per request fixed
-(1 without MTP, 1 + k with it).
+(1 without MTP, 1 + k with it); and for one request's prefill chunks, one graph per padded token count.
 
 A graph replays fixed addresses, so each bucket owns a static copy of the plan's per-row vector (C, n,
 slot, draft length, block table; ``PlanShape.row_vector_size`` ints) and the target graph expands it into
@@ -9,6 +9,12 @@ the target graph of the same step expanded. The forward is captured once on iner
 tokens and points at the cache's null slot/block, R3); padded rows of a real step are inert the same way:
 they write the null rows and read nothing valid. The captured forward must not synchronise with the host
 (MoE runs the device-side grouped path for this reason).
+
+Prefill graphs: one request's prefill chunk of up to T tokens (``GraphSpec.prefill_tokens``) replays the
+target pass and the MTP passes captured for T tokens, padded with inert rows; its window is read from a copy
+of the ring with the step's rows appended (``PrefillCudaBackend``), as the eager prefill on the kernels reads
+it. Those graphs return streams only: the runner computes the logits of the rows it samples (one per request
+at a prefill) from them, outside the graph, instead of the graph computing T rows of logits.
 
 With ``capture=False`` (CPU, or tests) the same static buffers run eagerly: bucketing, padding, the
 static copy and the expansion are exercised without a GPU.
@@ -27,7 +33,7 @@ import torch
 
 from ..cache.plan import DraftTables, PlanShape, expand_rows, padded_shape
 from ..transfer import HostCopy
-from .cuda_backend import CudaBackend
+from .cuda_backend import CudaBackend, PrefillCudaBackend
 from .resolved import GraphSpec
 from .sampler import greedy_tokens
 from .runner import uniform_draft_inputs
@@ -86,6 +92,7 @@ class _Bucket:
     plan: object = None  # the step whose tables and outputs the bucket holds (set by target)
     step_out: StepGraphOut | None = None  # the whole-step graph's outputs
     ran: list = field(default_factory=list)  # the graphs that step has run, in order
+    prefill: bool = False  # a prefill bucket: one request, up to shape.tokens tokens, streams only
 
 
 class GraphRunner:
@@ -99,8 +106,11 @@ class GraphRunner:
         # False to replay the separate graphs (target, MTP catch-up, draft j) with acceptance eager between
         self.whole_step = spec.with_mtp and whole_step
         self._b: dict[int, _Bucket] = {}
+        self.prefill_tokens = sorted(spec.prefill_tokens)
+        self._p: dict[int, _Bucket] = {}  # prefill buckets by token count
         self.pool = None
         self.num_replays = 0
+        self.num_prefill_replays = 0  # replays of a prefill bucket's target graph (counted in num_replays too)
         self.num_whole_steps = 0  # replays of the whole-step graph (counted in num_replays too)
         self.released = False
 
@@ -116,44 +126,70 @@ class GraphRunner:
         b = fits[0]
         return b if (b == num_seqs or self.enable_padding) else None
 
+    def prefill_bucket_for(self, num_seqs: int, num_new: list[int]) -> int | None:
+        """The prefill graph (its token count) for a step of one request adding more tokens than a decode step:
+        the smallest that holds them (None: eager)."""
+        if num_seqs != 1 or num_new[0] <= self.rows:
+            return None
+        return next((T for T in self.prefill_tokens if T >= num_new[0]), None)
+
+    def _bucket(self, plan) -> _Bucket | None:
+        """The bucket whose shapes ``plan`` was built with (a prefill one, else the decode one of its batch)."""
+        bk = self._p.get(plan.shape.tokens) if plan.shape.batch == 1 else None
+        if bk is not None and plan.shape == bk.shape:
+            return bk
+        return self._b.get(plan.shape.batch)
+
     def matches(self, plan) -> bool:
         """Was this plan built with one of the buckets' padding?"""
-        bk = self._b.get(plan.shape.batch)
-        return bk is not None and plan.shape == bk.shape and all(n == self.rows for n in plan.num_new)
+        bk = self._bucket(plan)
+        if bk is None or plan.shape != bk.shape:
+            return False
+        return plan.num_seqs == 1 if bk.prefill else all(n == self.rows for n in plan.num_new)
+
+    def is_prefill(self, plan) -> bool:
+        """Does ``plan`` replay a prefill bucket (whose graphs leave the logits to the runner)?"""
+        bk = self._bucket(plan)
+        return self.matches(plan) and bk.prefill
 
     def padding(self, bucket: int) -> dict:
         return {"pad_batch_to": bucket, "pad_tokens_to": bucket * self.rows, "max_entries": self.max_entries,
                 "max_blocks": self.max_blocks}
 
+    def prefill_padding(self, tokens: int) -> dict:
+        return {"pad_batch_to": 1, "pad_tokens_to": tokens, "max_entries": self.max_entries,
+                "max_blocks": self.max_blocks}
+
     # ---- static buffers ------------------------------------------------------------------------------
-    def _shape(self, B: int) -> PlanShape:
-        return padded_shape(self.storage.layout, B, B * self.rows, self.max_blocks, self.max_entries)
+    def _shape(self, B: int, tokens: int | None = None) -> PlanShape:
+        return padded_shape(self.storage.layout, B, B * self.rows if tokens is None else tokens, self.max_blocks,
+                            self.max_entries)
 
     @property
     def _swa_base(self) -> int:
         lay = self.storage.layout
         return lay.step_base(lay.swa_cap, self.storage.num_slots)
 
-    def _backend(self, t) -> CudaBackend:
-        return CudaBackend.for_step(t, self.storage, self._swa_base)
+    def _backend(self, t, prefill: bool = False) -> CudaBackend:
+        return (PrefillCudaBackend if prefill else CudaBackend).for_step(t, self.storage, self._swa_base)
 
     def _forward(self, bk: _Bucket):
-        """-> (tables, streams, logits) of the target pass on the bucket's static inputs."""
+        """-> (tables, streams, logits; None in a prefill bucket) of the target pass on the bucket's static inputs."""
         st = self.storage
         tables = expand_rows(st.layout, bk.shape, bk.rows, st.num_slots)
-        X = self.model.streams(bk.ids, self._backend(tables))
-        return tables, X, self.model.logits_from_streams(X)
+        X = self.model.streams(bk.ids, self._backend(tables, bk.prefill))
+        return tables, X, None if bk.prefill else self.model.logits_from_streams(X)
 
     def _target(self, bk: _Bucket):
         bk.tables, X, logits = self._forward(bk)
         return X, logits
 
-    def _mtp_pass(self, tables, X, next_ids):
-        X = self.model.mtp_streams(X, next_ids, self._backend(tables))
-        return X, self.model.mtp_logits_from_streams(X)
+    def _mtp_pass(self, tables, X, next_ids, prefill: bool = False):
+        X = self.model.mtp_streams(X, next_ids, self._backend(tables, prefill))
+        return X, None if prefill else self.model.mtp_logits_from_streams(X)
 
     def _mtp(self, bk: _Bucket):
-        return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids)
+        return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids, bk.prefill)
 
     def _draft_pass(self, t, j: int, new_lens, X_in, ids):
         """Draft step j >= 2 on the tables ``t`` of the step: one token per request, its tables computed on the
@@ -204,22 +240,28 @@ class GraphRunner:
     # ---- capture (largest bucket first, one shared memory pool) --------------------------------------
     @torch.no_grad()
     def prepare(self):
+        """Capture every bucket: the prefill buckets (largest first), then the decode buckets (largest first)."""
         dev = self.storage.device
         n, d = self.model.cfg.hc_mult, self.model.cfg.hidden_size
-        for B in sorted(self.buckets, reverse=True):
-            N = B * self.rows
-            zl = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
-            shape = self._shape(B)
+        zl = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
+        sizes = [(1, T) for T in sorted(self.prefill_tokens, reverse=True)]
+        sizes += [(B, None) for B in sorted(self.buckets, reverse=True)]
+        for B, T in sizes:
+            shape = self._shape(B, T)
+            N = shape.tokens
             bk = _Bucket(B, zl(N), zl(N), shape, zl(shape.row_vector_size), zl(B),
-                         {j: zl(B) for j in range(2, self.draft_len + 1)})
+                         {j: zl(B) for j in range(2, self.draft_len + 1)}, prefill=T is not None)
             bk.draft_in = torch.zeros(B, n, d, dtype=self.model.embed.weight.dtype, device=dev)
-            self._b[B] = bk
+            if bk.prefill:
+                self._p[T] = bk
+            else:
+                self._b[B] = bk
             steps = [("target", lambda: self._target(bk), "target_out")]
             if self.with_mtp:
                 steps.append(("mtp", lambda: self._mtp(bk), "mtp_out"))
                 for j in range(2, self.draft_len + 1):
                     steps.append((f"draft{j}", (lambda j=j: self._draft(bk, j)), j))
-            if self.whole_step:
+            if self.whole_step and not bk.prefill:
                 steps.append(("step", lambda: self._step(bk), "step_out"))
             for name, fn, slot in steps:  # eager first: the static outputs exist, kernels are loaded
                 self._store(bk, slot, fn())
@@ -244,9 +286,9 @@ class GraphRunner:
     # ---- replay ------------------------------------------------------------------------------------------
     def _after(self, plan, name: str, previous: str):
         """The bucket of ``plan`` for graph ``name``, which must follow ``previous`` of the same step."""
-        bk = self._b.get(plan.shape.batch)
+        bk = self._bucket(plan) if self.matches(plan) else None
         if bk is None:
-            raise GraphOrderError(f"{name}: no graph bucket of batch {plan.shape.batch}")
+            raise GraphOrderError(f"{name}: no graph bucket of batch {plan.shape.batch}, {plan.shape.tokens} tokens")
         if bk.plan is not plan:
             raise GraphOrderError(f"{name}: bucket {bk.batch} holds the tables of another step; replay target(plan)"
                                   f" of this step first")
@@ -257,20 +299,21 @@ class GraphRunner:
 
     @torch.no_grad()
     def target(self, plan, ids: torch.Tensor):
-        """-> (streams [N, n, d], logits [N, V]) of every row of the padded step."""
-        bk = self._b[plan.shape.batch]
+        """-> (streams [N, n, d], logits [N, V] of every row of the padded step; None from a prefill bucket)."""
+        bk = self._bucket(plan)
         bk.plan, bk.ran = plan, ["target"]
         bk.rows.copy_(plan.rows)
         bk.ids.copy_(ids)
         self.num_replays += 1
+        self.num_prefill_replays += bk.prefill
         out = self._run(bk, "target", lambda: self._target(bk))
         if out is not None:
             bk.target_out = out
         return bk.target_out
 
     def has_step(self, plan) -> bool:
-        """Whether ``plan``'s bucket has a whole-step graph (``whole_step``)."""
-        return self.whole_step and self.matches(plan)
+        """Whether ``plan``'s bucket has a whole-step graph (``whole_step``; decode buckets only)."""
+        return self.whole_step and self.matches(plan) and not self._bucket(plan).prefill
 
     @torch.no_grad()
     def step(self, plan, ids: torch.Tensor) -> StepGraphOut:
@@ -278,7 +321,7 @@ class GraphRunner:
         The separate MTP graphs do not follow it (the bucket's tables are the target graph's)."""
         if not self.has_step(plan):
             raise GraphOrderError(f"step: no whole-step graph for batch {plan.shape.batch}")
-        bk = self._b[plan.shape.batch]
+        bk = self._bucket(plan)
         bk.plan, bk.ran = plan, ["step"]
         bk.rows.copy_(plan.rows)
         bk.ids.copy_(ids)
@@ -317,11 +360,12 @@ class GraphRunner:
         No plan matches a bucket afterwards (steps would run eagerly); buckets and counts stay for reports."""
         if self.capture:
             torch.cuda.synchronize()
-        for bk in self._b.values():
+        for bk in [*self._b.values(), *self._p.values()]:
             for g in bk.graphs.values():
                 g.reset()
             bk.graphs.clear()
         self._b.clear()
+        self._p.clear()
         self.pool = None
         self.released = True
 

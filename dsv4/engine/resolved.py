@@ -16,7 +16,7 @@ from ..cache.layout import CacheLayout
 from ..cache.sizing import CacheSizing, budget_from_fraction, size_cache
 from ..cache.storage import CacheStorage
 from ..config import ModelConfig
-from .config import CudaGraphConfig, EngineConfig, EngineConfigError
+from .config import DEFAULT_PREFILL_TOKEN_SIZES, CudaGraphConfig, EngineConfig, EngineConfigError
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
@@ -59,6 +59,8 @@ class GraphSpec:
     max_entries: int  # compressed entries a request can see at max_seq_len (the static tables' width)
     max_blocks: int
     draft_len: int
+    # token counts of the one-request prefill graphs (each > rows_per_seq; () on several devices)
+    prefill_tokens: tuple[int, ...] = ()
 
     @property
     def with_mtp(self) -> bool:
@@ -96,7 +98,8 @@ class ResolvedConfig:
                 "tokens_per_block": self.layout.tokens_per_block, "num_slots": self.num_slots,
                 "num_blocks": self.num_blocks,
                 "cuda_graphs": None if g is None else {"buckets": list(g.buckets), "rows_per_request": g.rows_per_seq,
-                                                       "padding": g.enable_padding}}
+                                                       "padding": g.enable_padding,
+                                                       "prefill_tokens": list(g.prefill_tokens)}}
 
 
 def resolve(cfg: EngineConfig, model_cfg: ModelConfig, budget_bytes: int | None = None) -> ResolvedConfig:
@@ -149,4 +152,15 @@ def _graph_spec(cfg: EngineConfig, model_cfg: ModelConfig, layout: CacheLayout, 
     k = cfg.draft_len
     ratios = model_cfg.ratios
     max_entries = (max_seq_len + k) // min(ratios) + 1 if ratios else 1
-    return GraphSpec(buckets, 1 + k, gcfg.enable_padding, max_entries, layout.num_blocks_for(max_seq_len + k), k)
+    return GraphSpec(buckets, 1 + k, gcfg.enable_padding, max_entries, layout.num_blocks_for(max_seq_len + k), k,
+                     _prefill_tokens(cfg, gcfg, 1 + k))
+
+
+def _prefill_tokens(cfg: EngineConfig, gcfg: CudaGraphConfig, rows_per_seq: int) -> tuple[int, ...]:
+    """The prefill graphs' token counts: those given (or the defaults) above a decode step's rows and at most
+    max_num_tokens. None on several devices (the ranks' graphs are the decode buckets only)."""
+    if (cfg.tensor_parallel_size, cfg.moe_expert_parallel_size, cfg.pipeline_parallel_size) != (1, 1, 1) \
+            or cfg.enable_attention_dp:
+        return ()
+    sizes = DEFAULT_PREFILL_TOKEN_SIZES if gcfg.prefill_token_sizes is None else gcfg.prefill_token_sizes
+    return tuple(sorted({n for n in sizes if rows_per_seq < n <= cfg.max_num_tokens}))

@@ -231,8 +231,12 @@ class ModelRunner:
         """begin_step padding that makes the step replay a CUDA graph bucket (empty: run eagerly)."""
         if self.graphs is None:
             return {}
-        bucket = self.graphs.bucket_for(len(seqs), [s.num_new for s in seqs])
-        return self.graphs.padding(bucket) if bucket else {}
+        num_new = [s.num_new for s in seqs]
+        bucket = self.graphs.bucket_for(len(seqs), num_new)
+        if bucket:
+            return self.graphs.padding(bucket)
+        tokens = self.graphs.prefill_bucket_for(len(seqs), num_new)
+        return self.graphs.prefill_padding(tokens) if tokens else {}
 
     def _graphed(self, plan) -> bool:
         return self.graphs is not None and self.graphs.matches(plan)
@@ -299,8 +303,8 @@ class ModelRunner:
         else:
             X = self.model.streams(ids, self._backend(plan))
         logits = None
-        if idx is not None:
-            logits = all_logits[idx] if graphed else self.model.logits_from_streams(X[idx])
+        if idx is not None:  # (a prefill graph leaves the logits of its sampled rows to this)
+            logits = all_logits[idx] if graphed and all_logits is not None else self.model.logits_from_streams(X[idx])
         return X, logits, ids, None
 
     def _step_inputs(self, plan, token_ids, logit_rows, pending):
@@ -358,7 +362,7 @@ class ModelRunner:
         def logits_of(Xs, all_logits, idx):
             if not active:
                 return lambda: torch.zeros(0, V, device=self.device)
-            if graphed:
+            if all_logits is not None:  # (a graph's; a prefill graph's MTP pass leaves them to this)
                 return lambda: all_logits[idx]
             return lambda: model.mtp_logits_from_streams(Xs[idx])
 

@@ -16,9 +16,10 @@ class WarmupError(RuntimeError):
 
 def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
     """(name, prompt lengths, max_tokens, with a sampled request) of each path: a context chunk of
-    max_num_tokens, a decode batch of max_batch_size, and with MTP a verify + draft at the configured draft
-    length (it follows the decode batch's first step, so its requests generate enough tokens to verify twice;
-    a sampled request follows its greedy batch, see ``run_warmup``)."""
+    max_num_tokens, one request's prefill for each prefill graph, a decode batch of max_batch_size, and with
+    MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
+    requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
+    ``run_warmup``)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
@@ -27,8 +28,12 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
     batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
     decode_out = min(2, L - 1)
     decode_prompt = max(1, min(4, L - decode_out))
-    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False),
-             ("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False)]
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False)]
+    # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
+    graphs = engine.runner.graphs
+    for T in sorted({min(T, L - 2) for T in (graphs.prefill_tokens if graphs is not None else ())} - {chunk}):
+        paths.append((f"one-request prefill graph of {T} tokens", [T], 2, False))
+    paths.append(("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False))
     if engine.draft_len:
         steps = 2 + 2 * (engine.draft_len + 1)  # enough to verify twice, where max_seq_len leaves room
         prompt = max(1, min(4, L - steps))
