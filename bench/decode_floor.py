@@ -14,6 +14,7 @@ from common import copy_bandwidth, report, sync, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
+from dsv4.kernels import fp4_gemv
 
 
 CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
@@ -70,8 +71,13 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    ap.add_argument("--gemv-max-rows", type=float, default=None,
+                    help="packed FP4 experts: the GEMV path up to this many (token, expert) pairs per expert on"
+                         f" average (default {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT})")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    if args.gemv_max_rows is not None:
+        fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
     cfg = get_preset(args.preset)
     bw = copy_bandwidth()
     llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
@@ -117,7 +123,9 @@ def main():
                   "forward alone ms (graph replay)", "GB read", "of which experts", "lm head",
                   "floor in the checkpoint's precision ms (% of it, overlapped)"], rows)
     what = (f"{args.preset}, bf16, routed experts {args.expert_format} ({expert_elt:.3f} bytes per weight as"
-            f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts")
+            f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts"
+            + (f", FP4 GEMV up to {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT:g} pairs per expert"
+               if args.expert_format == "fp4" else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"

@@ -181,18 +181,25 @@ def test_grouped_moe_matches_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_moe_fp4_equals_its_decoded_weights(dtype):
+def test_grouped_moe_fp4_equals_its_decoded_weights(dtype, monkeypatch):
     """Packed FP4 experts decoded in the grouped GEMM's inner loop == the same GEMMs on the decoded weights
     (the decode is exact in bf16; the sums differ in order only: the packed GEMM scales each 32 inputs' sum),
     at Flash's dims, odd batch sizes and a width that is not a whole tile (K = 160); and the torch twin
-    agrees."""
+    agrees. Cases of at most one pair per expert on average take the GEMV path (``fp4_gemv``: batch 1 of 32
+    experts), the others the tensor-core GEMM; each case again with the GEMV path forced (blocks of many rows)."""
+    from dsv4.kernels import fp4_gemv
     from dsv4.checkpoint.quant import pack_fp4_stacked
     from dsv4.kernels.fp4 import unpack_fp4
     from dsv4.kernels.moe import grouped_experts
 
     g = torch.Generator(device="cuda").manual_seed(1)
+    calls = []
+    real = fp4_gemv.fp4_gemv
+    monkeypatch.setattr(fp4_gemv, "fp4_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for N, E, k, I, d in ((1, 32, 6, 2048, 4096), (33, 32, 6, 2048, 4096), (5, 8, 2, 96, 160),
-                          (300, 8, 2, 256, 512)):  # (the last: row blocks of 64)
+                          (300, 8, 2, 256, 512), (32, 128, 6, 256, 512)):  # (300: row blocks of 64)
+        gemv = fp4_gemv.use_gemv(N * k, E, False)
+        before = len(calls)
         packed = [pack_fp4_stacked(torch.randn(E, r, c, device="cuda", generator=g) / c ** 0.5)
                   for r, c in ((I, d), (d, I), (I, d))]
         w1, w2, w3 = (unpack_fp4(p, s, dtype) for p, s in packed)
@@ -206,6 +213,11 @@ def test_grouped_moe_fp4_equals_its_decoded_weights(dtype):
         twin = grouped_experts(x.cpu(), w.cpu(), ids.cpu(), *(p.cpu() for p, _ in packed), 10.0,
                                scales=tuple(s.cpu() for _, s in packed))
         assert rel_err(out.cpu(), twin) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert (len(calls) > before) == gemv and gemv == (N * k <= fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT * E)
+        with monkeypatch.context() as m:  # the GEMV path on every case: blocks of many rows (pairs of rows)
+            m.setattr(fp4_gemv, "use_gemv", lambda *a: True)
+            forced = grouped_experts(x, w, ids, *(p for p, _ in packed), 10.0, scales=tuple(s for _, s in packed))
+        assert torch.isfinite(forced).all() and rel_err(forced, ref) < tol, (N, "gemv", rel_err(forced, ref))
 
 
 def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():

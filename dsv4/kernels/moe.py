@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .fp4 import unpack_fp4
+from . import fp4_gemv as gemv_kernel
 from . import HAVE_TRITON, on
 from .swiglu import swiglu_to
 
@@ -113,6 +114,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .fp4_gemv import e2m1_f16
+
     @triton.jit
     def _combine_kernel(Y, PAIR_POS, KEEP, OUT, d, stride_y, K: tl.constexpr, HAS_KEEP: tl.constexpr,
                         BLOCK: tl.constexpr):
@@ -158,17 +161,6 @@ if HAVE_TRITON:
         tl.store(BLOCK_EXPERT + b, be.to(tl.int64), mask=start < m_pad)
 
     @triton.jit
-    def _e2m1(nib, dtype):
-        """e2m1 codes (int32 nibbles s|e1e0|m) -> their values in ``dtype``, built as float32 bits (no table, no
-        exp2): (-1)**s * 2**(e-1) * (1 + m/2) for e > 0 (exponent field e + 126, top mantissa bit m), and
-        (-1)**s * m/2 for e = 0 (0.5: field 126). Exact in bf16; the twin is ``fp4.unpack_fp4``."""
-        ex = (nib >> 1) & 3
-        m = nib & 1
-        field = tl.where(ex > 0, ex + 126, m * 126)
-        bits = ((nib & 8) << 28) | (field << 23) | (tl.where(ex > 0, m, 0) << 22)
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-
-    @triton.jit
     def _grouped_gemm_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, stride_wk, C, stride_cm,
                              BLOCK_EXPERT, N, K, S, stride_se, stride_sn, GATHER: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -208,8 +200,8 @@ if HAVE_TRITON:
                     a_even = tl.load(a_rows + (kg + 2 * j)[None, :], mask=row_ok[:, None] & g_ok, other=0.0)
                     a_odd = tl.load(a_rows + (kg + 2 * j + 1)[None, :], mask=row_ok[:, None] & g_ok, other=0.0)
                     codes = tl.load(w_rows + (kg // 2 + j)[:, None], mask=n_ok[None, :] & g_ok, other=0).to(tl.int32)
-                    lo = _e2m1(codes & 0xF, a_even.dtype)
-                    hi = _e2m1(codes >> 4, a_even.dtype)
+                    lo = e2m1_f16(codes & 0xF).to(a_even.dtype)  # (2**-14 of the values: exact)
+                    hi = e2m1_f16(codes >> 4).to(a_even.dtype)
                     if IEEE:
                         part = tl.dot(a_even, lo, input_precision="ieee")
                         part = tl.dot(a_odd, hi, part, input_precision="ieee")
@@ -217,7 +209,8 @@ if HAVE_TRITON:
                         part = tl.dot(a_even, lo)
                         part = tl.dot(a_odd, hi, part)
                     sb = tl.load(s_rows + kg // 32, mask=n_ok & g_ok, other=127).to(tl.int32)
-                    acc += part * (sb << 23).to(tl.float32, bitcast=True)[None, :]  # 2**(b-127); b = 0 -> 0
+                    sc = (sb << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; b = 0 -> 0
+                    acc += part * sc[None, :]
         else:
             a_ptrs = A + src.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
             w_ptrs = W + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -258,6 +251,11 @@ if HAVE_TRITON:
         return out
 
 
+def _gemv(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor, block_m: int = BLOCK_M):
+    """``_grouped_gemm``'s call for packed FP4 weights at decode sizes (``fp4_gemv``)."""
+    return gemv_kernel.fp4_gemv(a, rows, w, scale, block_expert, gather, m_pad, block_m)
+
+
 def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor | None = None,
                         block_m: int = BLOCK_M):
     """Plain-torch twin of the Triton grouped GEMM (same sorted layout), used off the GPU."""
@@ -295,6 +293,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     m_pad = rows.shape[0]
     x = x.contiguous()
     gemm = _grouped_gemm if on(x) else _grouped_gemm_torch
+    if scales is not None and on(x) and gemv_kernel.use_gemv(N * k, E, invariant):
+        gemm = _gemv  # packed FP4 at decode sizes: a GEMV per row
     s1, s2, s3 = scales if scales is not None else (None, None, None)
     g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm)  # [m_pad, I]
     u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm)

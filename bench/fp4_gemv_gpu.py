@@ -1,0 +1,100 @@
+"""Packed FP4 experts at decode sizes: the GEMV path (dsv4.kernels.fp4_gemv) against the FP4 grouped GEMM
+(tensor cores, ``moe.GEMM_CONFIG_FP4``) and the bf16 grouped GEMM on the same experts, GPU time (``graph_us``:
+24 launches in one CUDA graph, cycling over 6 weight copies so none sits in L2), Flash's expert shapes (d 4096,
+moe_inter_dim 2048, 6 experts per token) with 128 experts (flash-E128). Checks each against the twin (the
+weights decoded, one bf16 GEMM) first. Prints a short table; ``--sweep`` also tries GEMV tiles.
+
+    python3 bench/fp4_gemv_gpu.py [--batch 1 32 --experts 128 --sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from common import copy_bandwidth, graph_us, report, table
+
+from dsv4.checkpoint.quant import pack_fp4_stacked
+from dsv4.kernels.fp4_gemv import GEMV_CONFIG, fp4_gemv
+from dsv4.kernels.moe import GEMM_CONFIG_FP4, _grouped_gemm, _grouped_gemm_torch, align
+
+COPIES = 6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--append", default=None)
+    a = ap.parse_args()
+    E, k, d, I = a.experts, 6, 4096, 2048
+    bw = copy_bandwidth()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dense, packed = {"w1": [], "w2": []}, {"w1": [], "w2": []}
+    for c in range(COPIES):
+        for n, shape in (("w1", (E, I, d)), ("w2", (E, d, I))):
+            w = torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+            packed[n].append(pack_fp4_stacked(w))
+            if c < 2:  # (bf16 peer: 2 copies of 128 experts are already 8 GB)
+                dense[n].append(w)
+            del w
+    configs = [GEMV_CONFIG]
+    if a.sweep:
+        configs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn, bk, nw in
+                    itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))
+                    if dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) != GEMV_CONFIG]
+    rows = []
+    for B in a.batch:
+        ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()
+        r, _, be = align(ids, E)
+        m_pad = r.shape[0]
+        valid = r >= 0
+        distinct = ids.unique().numel()
+        x = torch.randn(B, d, device="cuda", generator=g, dtype=torch.bfloat16)
+        h = torch.randn(m_pad, I, device="cuda", generator=g, dtype=torch.bfloat16)
+        for name, key, gather, inp in (("w1 (d -> I)", "w1", True, x), ("w2 (I -> d)", "w2", False, h)):
+            codes, scale = packed[key][0]
+            ref = _grouped_gemm_torch(inp, r, codes, be, gather, m_pad, scale=scale)[valid].float()
+            nbytes = distinct * I * d * (0.5 + 1 / 32)
+
+            def gemv(c):
+                return lambda i: fp4_gemv(inp, r, packed[key][i][0], packed[key][i][1], be, gather, m_pad, 16, c)
+
+            def tc(i):
+                return _grouped_gemm(inp, r, packed[key][i][0], be, gather, m_pad, scale=packed[key][i][1])
+
+            def bf16(i):
+                return _grouped_gemm(inp, r, dense[key][i % 2], be, gather, m_pad)
+
+            t_bf16 = graph_us(bf16, 2)  # (2 copies: partly in L2 at batch 1, so this flatters bf16)
+            t_tc = graph_us(tc, COPIES)
+            err_tc = ((tc(0)[valid].float() - ref).norm() / ref.norm()).item()
+            results = []
+            for c in configs:
+                try:
+                    out = gemv(c)(0)[valid].float()
+                    results.append((graph_us(gemv(c), COPIES), c, ((out - ref).norm() / ref.norm()).item()))
+                except Exception as exc:  # a tile that does not compile: skip it
+                    print("skip", c, type(exc).__name__, str(exc)[:80])
+            default = next(t for t in results if t[1] == GEMV_CONFIG)
+            best = min(results, key=lambda t: t[0])
+            for label, t, c, err in (("gemv default", default[0], GEMV_CONFIG, default[2]),
+                                     ("gemv best of sweep", best[0], best[1], best[2]),
+                                     ("fp4 tensor-core GEMM", t_tc, GEMM_CONFIG_FP4, err_tc)):
+                if label == "gemv best of sweep" and not a.sweep:
+                    continue
+                rows.append([B, name, label, "/".join(str(v) for v in c.values()), round(t, 1),
+                             f"{nbytes / (t * 1e-6) / bw * 100:.0f}%", f"{t_tc / t:.2f}x", f"{t_bf16 / t:.2f}x",
+                             f"{err:.1e}"])
+            rows.append([B, name, "bf16 grouped GEMM (peer)", "default", round(t_bf16, 1),
+                         f"{distinct * I * d * 2 / (t_bf16 * 1e-6) / bw * 100:.0f}%", "", "1.00x", ""])
+    heads = ["batch", "GEMM", "kernel", "config", "GPU us", "of copy bw (FP4 bytes; bf16: its own)",
+             "vs fp4 TC", "vs bf16", "rel err vs twin"]
+    report(f"Packed FP4 experts at decode sizes, GEMV vs tensor-core GEMM, {E} experts", table(heads, rows),
+           a.append, notes=f"copy bandwidth {bw / 1e12:.2f} TB/s; bench/fp4_gemv_gpu.py")
+
+
+if __name__ == "__main__":
+    main()
