@@ -21,6 +21,8 @@ import pytest
 from dsv4.bench import cli
 from dsv4.bench.dataset import DatasetError, token_norm_dist
 from dsv4.bench.options import resolve
+from dsv4.builtin import resolve_model
+from dsv4.config import load_config
 from dsv4.engine.config import EngineConfigError
 
 # The reproduction from the seed's bug report, as it was filed.
@@ -345,6 +347,10 @@ def test_prepare_dataset_forms(capsys, tmp_path, env):
     rc, _, _ = run_main(["--model_path", env["ckpt"], "prepare-dataset", "--random-seed", "0", *args,
                          "--output", f], capsys)
     assert rc == 0 and f.read_text() == out
+    rc, out_mini, _ = run_main(["--model", "mini", "prepare-dataset", "--stdout", *args], capsys)  # built-in
+    assert rc == 0 and max(max(json.loads(x)["input_ids"]) for x in out_mini.splitlines()) >= 256
+    assert all(max(json.loads(x)["input_ids"]) < load_config(resolve_model("mini")).vocab_size
+               for x in out_mini.splitlines())
     rc, out3, _ = run_main(["prepare-dataset", "--seed", "1", "--vocab-size", "16", *args], capsys)
     assert rc == 0 and out3 != out and all(max(json.loads(x)["input_ids"]) < 16 for x in out3.splitlines())
     rc, _, err = run_main(["prepare-dataset", *args], capsys)

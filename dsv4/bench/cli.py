@@ -175,7 +175,7 @@ def _write_dataset(args) -> int:
 
         path = _model_path(args)
         kind = _model_kind(path)
-        vocab = (load_config(path) if kind.startswith("checkpoint") else get_preset(path)).vocab_size
+        vocab = (get_preset(path) if kind.endswith("random weights") else load_config(path)).vocab_size
     seed = args.kind_seed if args.kind_seed is not None else (args.pd_seed if args.pd_seed is not None else 0)
     recs = token_norm_dist(args.num_requests, args.input_mean, args.input_stdev, args.output_mean,
                            args.output_stdev, vocab, seed)
