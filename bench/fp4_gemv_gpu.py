@@ -10,7 +10,6 @@ weights decoded, one bf16 GEMM) first. Prints a short table; ``--sweep`` also tr
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 from common import copy_bandwidth, graph_us, report, table
@@ -41,10 +40,12 @@ def main():
                 dense[n].append(w)
             del w
     configs = [GEMV_CONFIG]
-    if a.sweep:
-        configs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn, bk, nw in
-                    itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))
-                    if dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) != GEMV_CONFIG]
+    if a.sweep:  # tiles, warps, the inputs' load (one contiguous run split in two, or two strided loads), stages
+        tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4) for bn in (8, 16, 32) for bk in (256, 512, 1024)]
+        tiles += [dict(BLOCK_N=16, BLOCK_K=512, num_warps=8), dict(BLOCK_N=32, BLOCK_K=256, num_warps=8)]
+        configs += [dict(GEMV_CONFIG, **t, CONTIG_A=ca) for t in tiles for ca in (True, False)]
+        configs += [dict(GEMV_CONFIG, num_stages=st) for st in (1, 2)]
+        configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     rows = []
     for B in a.batch:
         ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()
@@ -79,19 +80,20 @@ def main():
                 except Exception as exc:  # a tile that does not compile: skip it
                     print("skip", c, type(exc).__name__, str(exc)[:80])
             default = next(t for t in results if t[1] == GEMV_CONFIG)
-            best = min(results, key=lambda t: t[0])
-            for label, t, c, err in (("gemv default", default[0], GEMV_CONFIG, default[2]),
-                                     ("gemv best of sweep", best[0], best[1], best[2]),
-                                     ("fp4 tensor-core GEMM", t_tc, GEMM_CONFIG_FP4, err_tc)):
-                if label == "gemv best of sweep" and not a.sweep:
-                    continue
+            picks = [("gemv default", default)]
+            if a.sweep:
+                for ca in (True, False):
+                    picks.append((f"gemv best, inputs {'contiguous' if ca else 'strided'}",
+                                  min((t for t in results if t[1]["CONTIG_A"] == ca), key=lambda t: t[0])))
+            picks.append(("fp4 tensor-core GEMM", (t_tc, GEMM_CONFIG_FP4, err_tc)))
+            for label, (t, c, err) in picks:
                 rows.append([B, name, label, "/".join(str(v) for v in c.values()), round(t, 1),
                              f"{nbytes / (t * 1e-6) / bw * 100:.0f}%", f"{t_tc / t:.2f}x", f"{t_bf16 / t:.2f}x",
                              f"{err:.1e}"])
             rows.append([B, name, "bf16 grouped GEMM (peer)", "default", round(t_bf16, 1),
                          f"{distinct * I * d * 2 / (t_bf16 * 1e-6) / bw * 100:.0f}%", "", "1.00x", ""])
-    heads = ["batch", "GEMM", "kernel", "config", "GPU us", "of copy bw (FP4 bytes; bf16: its own)",
-             "vs fp4 TC", "vs bf16", "rel err vs twin"]
+    heads = ["batch", "GEMM", "kernel", "config (" + "/".join(GEMV_CONFIG) + ")", "GPU us",
+             "of copy bw (FP4 bytes; bf16: its own)", "vs fp4 TC", "vs bf16", "rel err vs twin"]
     report(f"Packed FP4 experts at decode sizes, GEMV vs tensor-core GEMM, {E} experts", table(heads, rows),
            a.append, notes=f"copy bandwidth {bw / 1e12:.2f} TB/s; bench/fp4_gemv_gpu.py")
 

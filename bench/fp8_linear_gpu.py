@@ -31,11 +31,14 @@ SHAPES = [  # name, groups, out, in
 ]
 SWEEP = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
          for n, w, s in itertools.product((64, 128, 256), (4, 8), (3, 4))]
+GEMV_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": 4}
+              for n, k in itertools.product((8, 16, 32, 64), (128, 256, 512))]
+GEMV_SWEEP += [{"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 128])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 32])
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     bw = copy_bandwidth()
@@ -55,29 +58,40 @@ def main():
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, M, err)
 
-            def kern(cfg):
-                return lambda i: f8._launch(x, *q8[i], config=cfg)
+            def kern(cfg, gemv=False):
+                return lambda i: f8._launch(x, *q8[i], config=cfg, gemv=gemv)
 
             if G == 1:
                 x2 = x[:, 0]
                 cublas = graph_us(lambda i: torch.nn.functional.linear(x2, bf[i][0]), COPIES)
             else:
                 cublas = graph_us(lambda i: torch.einsum("mgk,gnk->mgn", x, bf[i]), COPIES)
-            default = graph_us(kern(None), COPIES)
+            default = graph_us(kern(None, None), COPIES)  # the path the engine takes
             best, best_cfg = min((graph_us(kern(c), COPIES), i) for i, c in enumerate(SWEEP))
             c = SWEEP[best_cfg]
+            gemv = "-"
+            if f8.gemv_fits(M, G, N):
+                err_g = ((f8._launch(x, *q8[0], gemv=True).double() - ref).norm() / ref.norm()).item()
+                assert err_g < 1e-2, (name, M, "gemv", err_g)
+                tg, ig = min((graph_us(kern(cg, True), COPIES), i) for i, cg in enumerate(GEMV_SWEEP))
+                cg = GEMV_SWEEP[ig]
+                tile = "/".join(str(cg[key]) for key in ("BLOCK_N", "BLOCK_K", "num_warps"))
+                gemv = f"{graph_us(kern(None, True), COPIES):.1f} / {tg:.1f} ({tile})"
             fp8_bytes, bf16_bytes = G * N * K * (1 + 4 / 128 ** 2), G * N * K * 2
             rows.append([name, M, f"{default:.1f}", f"{best:.1f} ({c['BLOCK_N']}/{c['num_warps']}/{c['num_stages']})",
-                         f"{cublas:.1f}", f"{cublas / default:.2f}x",
+                         gemv, f"{cublas:.1f}", f"{cublas / default:.2f}x",
                          f"{100 * fp8_bytes / (default * 1e-6) / bw:.0f}%",
                          f"{100 * bf16_bytes / (cublas * 1e-6) / bw:.0f}%", f"{err:.1e}"])
             print(rows[-1], flush=True)
-    text = table(["projection", "rows", "fp8 kernel us", "best of sweep us (BLOCK_N/warps/stages)", "bf16 cuBLAS us",
+    text = table(["projection", "rows", "fp8 us (the engine's path)",
+                  "tensor-core kernel, best of sweep us (BLOCK_N/warps/stages)",
+                  "GEMV us: default / best of sweep (BLOCK_N/BLOCK_K/warps)", "bf16 cuBLAS us",
                   "speed-up", "fp8 % of copy bw", "bf16 % of copy bw", "rel err"], rows)
     report("FP8 linears (weight-only kernel) vs bf16 cuBLAS, Flash projections", text, a.append,
-           notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Default tile:"
-                 f" {f8.CONFIG}, split-K aiming at {f8.TARGET_PROGRAMS} programs. Each time: {LAUNCHES} launches in"
-                 f" one CUDA graph cycling over {COPIES} weight copies, CUDA events, median of 5. Bytes: the weights as stored"
+           notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Default tiles:"
+                 f" {f8.CONFIG}, GEMV (up to {f8.GEMV_MAX_ROWS} rows) {f8.GEMV_CONFIG}, split-K aiming at"
+                 f" {f8.TARGET_PROGRAMS} programs. Each time: {LAUNCHES} launches in one CUDA graph cycling over"
+                 f" {COPIES} weight copies, CUDA events, median of 5. Bytes: the weights as stored"
                  " (e4m3 plus float32 scales; bf16).")
 
 

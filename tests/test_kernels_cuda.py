@@ -250,10 +250,13 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     (3, 3, 64, 300, None),      # groups of 64 rows: a scale block spans two groups; K ends inside a block
     (128, 1, 200, 1000, 3),     # fixed_rows' chunk, forced split, N and K not multiples of a tile
     (17, 1, 32768, 1024, 1),
+    (2, 1, 200, 1000, None),    # the GEMV: N not a multiple of its tile, K ending inside a block
+    (4, 8, 1024, 4096, None),   # wo_a at MTP k = 3's verify, concurrency 1 (the GEMV, grouped)
+    (3, 1, 4096, 8192, 2),      # the GEMV with a forced split
 ])
 def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
-    """The weight-only FP8 kernel (split-K or not, grouped or not) against dequantise-then-GEMM in fp64; a
-    wrong scale fails it."""
+    """The weight-only FP8 kernels (tensor cores, and the GEMV where it fits; split-K or not, grouped or not)
+    against dequantise-then-GEMM in fp64; a wrong scale fails each."""
     from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
     from dsv4.kernels import fp8_linear as f8
 
@@ -263,19 +266,20 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     w = q.view(G, N, K)
     x = torch.randn(M, G, K, device="cuda", generator=g).to(dtype)
     ref = torch.einsum("mgk,gnk->mgn", x.double(), f8.dequantize(w, s, torch.float64))
-    out = f8._launch(x, w, s, split=split)
-    assert out.dtype == dtype and out.shape == (M, G, N)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert rel_err(out, ref) < tol, rel_err(out, ref)
-    if G == 1:
+    wrong = s.clone()
+    wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs
+    r = min(N, G * N - (G * N - 1) // 128 * 128)
+    for gemv in (False, True) if M <= 4 and f8.gemv_shape(G, N) else (False,):  # (the GEMV forced past its rows)
+        out = f8._launch(x, w, s, split=split, gemv=gemv)
+        assert out.dtype == dtype and out.shape == (M, G, N)
+        assert rel_err(out, ref) < tol, (gemv, rel_err(out, ref))
+        assert rel_err(f8._launch(x, w, wrong, split=split, gemv=gemv)[:, -1, -r:], ref[:, -1, -r:]) > 10 * tol
+    if G == 1:  # the engine's calls: the GEMV where it fits (one row)
         assert rel_err(f8.fp8_linear(x[:, 0], q, s), ref[:, 0]) < tol
     else:
         assert f8.usable(x, w, M)  # a grouped product's rows are x's rows, not rows x groups
         assert rel_err(f8.grouped_fp8_linear(x, w, s), ref) < tol
-    wrong = s.clone()
-    wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs
-    r = min(N, G * N - (G * N - 1) // 128 * 128)
-    assert rel_err(f8._launch(x, w, wrong, split=split)[:, -1, -r:], ref[:, -1, -r:]) > 10 * tol
 
 
 def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():

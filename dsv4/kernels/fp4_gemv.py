@@ -24,7 +24,7 @@ import torch
 from . import HAVE_TRITON
 
 GEMV_MAX_ROWS_PER_EXPERT = 1  # pairs per expert, on average, up to which the GEMV path runs
-GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}  # BLOCK_K a multiple of 32
+GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "CONTIG_A": True}  # BLOCK_K: 32s
 
 
 def use_gemv(num_pairs: int, num_experts: int, invariant: bool) -> bool:
@@ -46,11 +46,27 @@ if HAVE_TRITON:
         return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
     @triton.jit
+    def _inputs(a, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONTIG_A: tl.constexpr):
+        """A row's inputs k0 .. k0 + BLOCK_K as (even, odd) halves in float32, loaded as one contiguous run
+        and split (CONTIG_A) or as two strided loads."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        if CONTIG_A:
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)
+            even, odd = tl.split(tl.reshape(x.to(tl.float32), [HALF, 2]))
+        else:
+            k = k0 + 2 * tl.arange(0, HALF)
+            even = (tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)).to(tl.float32)
+            odd = (tl.load(a + k + 1) if EVEN_K else tl.load(a + k + 1, mask=k < K, other=0.0)).to(tl.float32)
+        return even, odd
+
+    @triton.jit
     def _fp4_gemv_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, S, stride_se, stride_sn, C, stride_cm,
                          BLOCK_EXPERT, N, K, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONTIG_A: tl.constexpr):
         """C[r] = A[row r] @ decode(W[e]).T for each valid row r of row block pid 0 (expert e), outputs of
-        tile pid 1. W: packed e2m1 bytes [E, N, K/2]; S: their scale bytes [E, N, K/32]."""
+        tile pid 1. W: packed e2m1 bytes [E, N, K/2]; S: their scale bytes [E, N, K/32]. EVEN_K: K is a
+        multiple of BLOCK_K, so no load is masked along K (masks that vary per byte keep loads scalar)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
@@ -78,22 +94,24 @@ if HAVE_TRITON:
             acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
             acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k_ok = k0 + 2 * j < K  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
-                codes = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                other=0).to(tl.int32)
+                if EVEN_K:
+                    codes = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+                else:  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
+                    k_ok = k0 + 2 * j < K
+                    codes = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                    other=0).to(tl.int32)
+                    g_ok = k0 + 32 * g < K
+                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & g_ok[None, :],
+                                 other=0).to(tl.int32)
                 lo = e2m1_f16(codes & 0xF).to(tl.float32)
                 hi = e2m1_f16(codes >> 4).to(tl.float32)
-                g_ok = k0 + 32 * g < K
-                sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & g_ok[None, :],
-                             other=0).to(tl.int32)
                 sc = (sb << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; b = 0 -> 0
-                a_even = tl.load(a0 + k0 + 2 * j, mask=k_ok, other=0.0).to(tl.float32)
-                a_odd = tl.load(a0 + k0 + 2 * j + 1, mask=k_ok, other=0.0).to(tl.float32)
+                a_even, a_odd = _inputs(a0, k0, K, BLOCK_K, EVEN_K, CONTIG_A)
                 p = lo * a_even[None, :] + hi * a_odd[None, :]
                 acc0 += tl.sum(tl.sum(tl.reshape(p, [BLOCK_N, G, 16]), axis=2) * sc, axis=1)  # per 32 inputs
                 if two:
-                    a_even = tl.load(a1 + k0 + 2 * j, mask=k_ok, other=0.0).to(tl.float32)
-                    a_odd = tl.load(a1 + k0 + 2 * j + 1, mask=k_ok, other=0.0).to(tl.float32)
+                    a_even, a_odd = _inputs(a1, k0, K, BLOCK_K, EVEN_K, CONTIG_A)
                     p = lo * a_even[None, :] + hi * a_odd[None, :]
                     acc1 += tl.sum(tl.sum(tl.reshape(p, [BLOCK_N, G, 16]), axis=2) * sc, axis=1)
             tl.store(C + (first + r).to(tl.int64) * stride_cm + offs_n, acc0.to(C.dtype.element_ty), mask=n_ok)
@@ -104,7 +122,7 @@ if HAVE_TRITON:
                  block_expert: torch.Tensor, gather: bool, m_pad: int, block_m: int,
                  config: dict | None = None) -> torch.Tensor:
         """out [m_pad, n] (sorted layout; only valid rows written) = a[rows] @ decode(w[e]).T per row block, as
-        ``moe._grouped_gemm(..., scale=scale)``. ``config``: BLOCK_N, BLOCK_K, num_warps (bench/fp4_gemv_gpu.py)."""
+        ``moe._grouped_gemm(..., scale=scale)``. ``config``: GEMV_CONFIG's keys (bench/fp4_gemv_gpu.py)."""
         E, n, half_k = w.shape
         c = dict(GEMV_CONFIG, **(config or {}))
         if c["BLOCK_K"] % 32:
@@ -114,5 +132,6 @@ if HAVE_TRITON:
         _fp4_gemv_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), scale, scale.stride(0),
                                scale.stride(1), out, out.stride(0), block_expert, n, 2 * half_k, GATHER=gather,
                                BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                               num_warps=c["num_warps"])
+                               EVEN_K=2 * half_k % c["BLOCK_K"] == 0, CONTIG_A=c["CONTIG_A"],
+                               num_warps=c["num_warps"], num_stages=c["num_stages"])
         return out

@@ -5,15 +5,20 @@ Weight-only: the activations stay in the model dtype. The kernel loads an FP8 ti
 activation dtype (exact: an e4m3 value is a bf16 value), multiplies on the tensor cores in fp32 and scales
 each 128-input block's partial sum by its block's scale (exact: a power of two). A decode step reads half the
 bytes of a bf16 weight. At decode sizes the output columns alone do not fill the GPU, so the inputs are split
-(split-K) into partial sums [S, M, N] added in a fixed order afterwards (deterministic, no atomics).
+(split-K) into partial sums [S, M, N] added in a fixed order afterwards (deterministic, no atomics). Products of
+at most GEMV_MAX_ROWS rows run a GEMV on the CUDA cores instead (``_fp8_gemv_kernel``: no tile of 16 rows to
+pad, the weight widened to float32 and multiplied by the rows' inputs times their block's scale, element-wise
+accumulation, one reduction at the end), with the same split-K.
 
 ``fp8_linear_torch`` (dequantise the weight, then one GEMM) is the twin: same products, other summation
 order. Steps of more than ``KERNEL_MAX_ROWS`` rows (prefill chunks) take it on the GPU too: there the GEMM is
 compute-bound and a dequantised copy of the weight costs little next to it.
 
-Measured on the H200 (bench/fp8_linear_gpu.py, BENCHMARKS.md): it reads its bytes at 15-39% of the copy
-bandwidth where cuBLAS reads bf16 at 38-88%, so at one row it takes 0.6-0.96x cuBLAS's time on Flash's
-projections, not the half its bytes allow; ``dequantized`` stays the engine's default.
+Measured on the H200 (bench/fp8_linear_gpu.py, BENCHMARKS.md): the tensor-core kernel reads its bytes at
+15-39% of the copy bandwidth where cuBLAS reads bf16 at 38-88%, so at one row it takes 0.6-0.96x cuBLAS's time
+on Flash's projections, not the half its bytes allow. The GEMV's best tile took 15% less time than the
+tensor-core kernel over those projections at one row, about the same at two, more at four (hence
+GEMV_MAX_ROWS = 1); ``dequantized`` stays the engine's default.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ BLOCK = 128  # inputs (and outputs) per scale
 KERNEL_MAX_ROWS = 128  # more rows: dequantise and run one GEMM (the twin); fixed_rows' chunks stay on the kernel
 TARGET_PROGRAMS = 264  # two per SM of an H200: the split-K factor aims for this many programs
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the best of fp8_linear_gpu.py's sweep on most shapes
+GEMV_MAX_ROWS = 1  # products of at most this many rows take the GEMV kernel (``gemv_fits``; at 2 about even)
+GEMV_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # BLOCK_N divides 128; BLOCK_K 128s
+GEMV_MAX_ACC = 8192  # float32 accumulator elements per GEMV program (rows x BLOCK_N x BLOCK_K): BLOCK_K shrinks to fit
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,24 +88,54 @@ def _block_m(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
+def gemv_shape(G: int, N: int) -> bool:
+    """Whether the GEMV kernel can take a [G, N, K] weight: each output tile of one group inside one block row
+    of scales (one group, or groups of whole blocks)."""
+    return G == 1 or N % BLOCK == 0
+
+
+def gemv_fits(M: int, G: int, N: int) -> bool:
+    """Whether the GEMV kernel takes an [M, G, K] x [G, N, K] product (the engine's choice): few rows."""
+    return M <= GEMV_MAX_ROWS and gemv_shape(G, N)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: dict | None = None,
-            split: int | None = None) -> torch.Tensor:
-    """x [M, G, K] (unit stride along K), weight [G, N, K] e4m3 contiguous, scale over [G * N, K] -> [M, G, N]."""
-    cfg = {**CONFIG, **(config or {})}
+            split: int | None = None, gemv: bool | None = None) -> torch.Tensor:
+    """x [M, G, K] (unit stride along K), weight [G, N, K] e4m3 contiguous, scale over [G * N, K] -> [M, G, N].
+    ``gemv``: None = the GEMV kernel where ``gemv_fits``, else the tensor-core kernel (False) or the GEMV (True);
+    ``config`` is the chosen kernel's (CONFIG or GEMV_CONFIG keys)."""
     M, G, K = x.shape
     N = weight.shape[1]
-    BM, BN = _block_m(M), cfg["BLOCK_N"]
-    k_blocks = triton.cdiv(K, BLOCK)
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN) * G
+    gemv = gemv_fits(M, G, N) if gemv is None else gemv
+    cfg = {**(GEMV_CONFIG if gemv else CONFIG), **(config or {})}
+    BN = cfg["BLOCK_N"]
+    if gemv:
+        if not gemv_shape(G, N):
+            raise ValueError(f"the FP8 GEMV takes one group or groups of whole {BLOCK}-row blocks, got {G} x {N}")
+        BM = triton.next_power_of_2(M)
+        BK = cfg["BLOCK_K"]
+        if BLOCK % BN or BK % BLOCK:
+            raise ValueError(f"the FP8 GEMV needs BLOCK_N dividing {BLOCK} and BLOCK_K a multiple of it, got {cfg}")
+        while BM * BN * BK > GEMV_MAX_ACC and BK > BLOCK:  # the accumulator stays in registers
+            BK //= 2
+    else:
+        BM, BK = _block_m(M), BLOCK
+    k_blocks = triton.cdiv(K, BK)
+    tiles = (1 if gemv else triton.cdiv(M, BM)) * triton.cdiv(N, BN) * G
     S = split or split_for(tiles, k_blocks)
-    k_per_split = triton.cdiv(k_blocks, S) * BLOCK
+    k_per_split = triton.cdiv(k_blocks, S) * BK
     S = triton.cdiv(K, k_per_split)  # no empty split
     out = torch.empty(S, M, G, N, dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM) * S, G)
-    _fp8_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0), k_per_split,
-                      triton.cdiv(M, BM), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, IEEE=x.dtype == torch.float32,
-                      num_warps=cfg["num_warps"],
-                      num_stages=cfg["num_stages"])
+    if gemv:
+        grid = (triton.cdiv(N, BN), S, G)
+        _fp8_gemv_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0),
+                               k_per_split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EVEN_K=K % BK == 0, SB=BLOCK,
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        grid = (triton.cdiv(N, BN), triton.cdiv(M, BM) * S, G)
+        _fp8_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0), k_per_split,
+                          triton.cdiv(M, BM), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, IEEE=x.dtype == torch.float32,
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out[0] if S == 1 else out.sum(0).to(x.dtype)
 
 
@@ -135,3 +173,38 @@ if HAVE_TRITON:
             acc += part * s[:, None]
         dst = OUT + ((split * M + rm[None, :]) * G + g) * N + rn[:, None]
         tl.store(dst, acc.to(OUT.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+    @triton.jit
+    def _fp8_gemv_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         SB: tl.constexpr):
+        # On the CUDA cores: the M rows' inputs, each scaled by its block's scale (the tile's outputs share one
+        # block row), times the widened weight tile, accumulated element-wise in float32 over the chunks and
+        # summed over the inputs once at the end; every weight byte is read once for all M rows
+        pid_n, split, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        G = tl.num_programs(2)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        s_row = S + ((g * N + pid_n * BLOCK_N) // SB) * stride_s  # one block row (gemv_fits)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        k_start = split * k_per_split
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+            k = k0 + rk
+            if EVEN_K:
+                w = tl.load(W + (g * N + rn)[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0)
+                x = tl.load(X + rm[:, None] * stride_xm + g * stride_xg + k[None, :], mask=m_ok[:, None], other=0.0)
+                sc = tl.load(s_row + k // SB)
+            else:
+                k_ok = k < K
+                w = tl.load(W + (g * N + rn)[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                x = tl.load(X + rm[:, None] * stride_xm + g * stride_xg + k[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                sc = tl.load(s_row + k // SB, mask=k_ok, other=0.0)
+            xs = x.to(tl.float32) * sc[None, :]  # exact: a power of two
+            acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+        out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        dst = OUT + ((split * M + rm[:, None]) * G + g) * N + rn[None, :]
+        tl.store(dst, out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
