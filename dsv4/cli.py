@@ -28,9 +28,18 @@ def _init_random(args) -> int:
         print(f"dsv4 init-random: --out {args.out} is a file; give a directory (it is created if missing)",
               file=sys.stderr)
         return 2
+    if not -(1 << 63) <= args.seed < (1 << 64):  # what torch.Generator.manual_seed takes
+        print(f"dsv4 init-random: --seed {args.seed}: give an integer in [-2**63, 2**64 - 1]", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    init_random_checkpoint(cfg, args.out, seed=args.seed, dtype=dtype, naming=args.naming)
-    tok = write_byte_tokenizer(args.out, cfg.vocab_size) if cfg.vocab_size <= 1024 else None
+    try:
+        os.makedirs(args.out, exist_ok=True)  # (before the weights are drawn: a big preset takes a while)
+        init_random_checkpoint(cfg, args.out, seed=args.seed, dtype=dtype, naming=args.naming)
+        tok = write_byte_tokenizer(args.out, cfg.vocab_size) if cfg.vocab_size <= 1024 else None
+    except OSError as e:
+        print(f"dsv4 init-random: cannot write --out {args.out}: {e.strerror or e}"
+              + (f" ({e.filename})" if e.filename else ""), file=sys.stderr)
+        return 2
     print(f"wrote a random {args.preset} checkpoint (seed {args.seed}, {args.dtype}, {args.naming} naming)"
           f" to {args.out}" + (" with a byte-level tokenizer" if tok else ""))
     return 0
@@ -56,6 +65,11 @@ def _generate(args) -> int:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
         ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+        if args.prompt is not None:
+            try:
+                args.prompt.encode("utf-8")
+            except UnicodeEncodeError:  # (bytes that are not UTF-8 reach Python as lone surrogates)
+                raise ValueError("--prompt is not UTF-8 text; give the prompt as UTF-8") from None
     except ValueError as e:
         print(f"dsv4 generate: {str(e).replace('SamplingParams.', '--').replace('_', '-')}", file=sys.stderr)
         return 2

@@ -46,8 +46,18 @@ class LLM:
         ``config``: an ``EngineConfig`` already validated (device and dtype included) instead of keywords.
         Everything the settings leave open is decided once, after the weights are loaded: ``self.resolved``
         (``dsv4.engine.resolved.ResolvedConfig``), which every rank receives whole."""
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if not isinstance(model, str):
+            raise TypeError(f"LLM: model must be a checkpoint directory, a built-in model (mini) or a preset name"
+                            f" (tiny, ...), as a string or path; got {type(model).__name__}")
+        if not isinstance(warmup, bool):
+            raise TypeError(f"LLM: warmup must be True or False, got {warmup!r}")
         model = resolve_model(model)
         if config is not None:
+            if not isinstance(config, EngineConfig):
+                raise TypeError(f"LLM: config= takes an EngineConfig, got {type(config).__name__}; give the settings"
+                                " as keywords instead (LLM(model, max_batch_size=8, ...))")
             if settings or (device, dtype) != ("cpu", "auto"):
                 raise EngineConfigError("LLM: give the settings either as config= or as keywords, not both")
             cfg = config
@@ -170,6 +180,11 @@ class LLM:
                             f" {type(prompts).__name__}")
         for i, p in enumerate(prompts):
             if isinstance(p, str):
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as e:  # (the tokenizer cannot take it)
+                    raise ValueError(f"prompt {i}: not valid Unicode text: a lone surrogate ({p[e.start]!r}) at"
+                                     f" character {e.start}") from None
                 continue
             if not isinstance(p, (list, tuple)) or not all(
                     isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):

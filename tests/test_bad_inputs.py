@@ -28,6 +28,11 @@ BAD_PARAMS = [
     ({"seed": 1.5}, "seed must be an integer or None"),
     ({"stop_token_ids": [1.5]}, "stop_token_ids must be a list of token ids"),
     ({"stop_token_ids": 7}, "stop_token_ids must be a list of token ids"),
+    # beyond what torch's generator takes: the engine (and a server's engine loop) died adding the request
+    ({"seed": 2**64}, r"seed must be an integer or None \(an integer in \[-2\*\*63, 2\*\*64 - 1\]\)"),
+    ({"seed": -2**63 - 1}, r"seed must be an integer or None \(an integer in \[-2\*\*63"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),  # was kept, and meant True
+    ({"detokenize": 0}, "detokenize must be True or False, got 0"),
 ]
 
 
@@ -64,6 +69,7 @@ BAD_CALLS = [
     ([GOOD, [True, 2]], None, TypeError, "prompt 1"),
     (GOOD + [2.5], None, TypeError, "prompt 0"),
     (42, None, TypeError, "prompts must be"),
+    ([GOOD, "\ud800"], None, ValueError, r"prompt 1: not valid Unicode text: a lone surrogate \('\\ud800'\)"),
     ([GOOD, GOOD], [SamplingParams(max_tokens=2)], ValueError, "1 sampling params for 2 prompts"),
     ([GOOD, GOOD], [SamplingParams(max_tokens=2), {"max_tokens": 2}], TypeError, "sampling_params must be"),
 ]
@@ -146,6 +152,7 @@ BAD_SETTINGS = [
     ({"max_batch_size": 10**23}, r"max_batch_size must be in \[1, 65536\]"),
     ({"max_num_tokens": 0}, r"max_num_tokens must be in \[1,"),
     ({"max_seq_len": 1}, "max_seq_len must be >= 2"),
+    ({"seed": 2**64}, r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\], got 18446744073709551616"),
 ]
 
 
@@ -156,6 +163,32 @@ def test_impossible_settings_are_refused_before_anything_is_built(settings, word
     monkeypatch.setattr(dsv4.llm, "load_model", lambda *a, **k: pytest.fail("weights loaded for bad settings"))
     with pytest.raises(EngineConfigError, match=words):
         LLM("tiny", **settings)
+
+
+# (LLM's positional and keyword arguments, the error's words): Python types the API cannot take
+BAD_LLM_ARGS = [
+    ((None,), {}, "LLM: model must be a checkpoint directory, a built-in model"),
+    ((5,), {}, "LLM: model must be .* got int"),
+    (("tiny",), {"config": {"max_batch_size": 2}}, r"LLM: config= takes an EngineConfig, got dict; give the settings"
+                                                    " as keywords"),
+    (("tiny",), {"warmup": "no"}, "LLM: warmup must be True or False, got 'no'"),
+]
+
+
+@pytest.mark.parametrize("args,kw,words", BAD_LLM_ARGS, ids=[w for *_, w in BAD_LLM_ARGS])
+def test_wrongly_typed_llm_arguments_are_named(args, kw, words, monkeypatch):
+    import dsv4.llm
+
+    monkeypatch.setattr(dsv4.llm, "load_model", lambda *a, **k: pytest.fail("weights loaded for bad arguments"))
+    with pytest.raises(TypeError, match=words):
+        LLM(*args, **kw)
+
+
+def test_a_path_object_names_a_checkpoint(good_checkpoint):
+    import pathlib
+
+    llm = LLM(pathlib.Path(good_checkpoint[0]), max_batch_size=1, max_seq_len=16, warmup=False)
+    assert len(llm.generate([GOOD], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
 def test_a_cache_smaller_than_the_batch_says_so():
@@ -200,6 +233,10 @@ BAD_CLI = [
     (["generate", "--model", "tiny", "--prompt-ids", ""], "--prompt-ids is empty"),
     (GEN + ["--device", "gpu"], "device 'gpu': use cpu or cuda"),
     (["--log_level", "loud"] + GEN, "invalid choice: 'loud'"),
+    (GEN + ["--temperature", "1", "--seed", str(2**64)], r"--seed must be an integer or None \(an integer in"),
+    (["generate", "--model", "tiny", "--prompt", "\udcff"], "--prompt is not UTF-8 text"),  # argv byte 0xff
+    (["init-random", "--out", "never_written", "--seed", str(2**64)],
+     r"init-random: --seed 18446744073709551616: give an integer in \[-2\*\*63, 2\*\*64 - 1\]"),
 ]
 
 
@@ -235,6 +272,16 @@ def test_init_random_refuses_a_file_as_its_directory(tmp_path, capsys):
     f.write_text("x")
     assert main(["init-random", "--out", str(f)]) == 2
     assert "is a file; give a directory" in capsys.readouterr().err and f.read_text() == "x"
+
+
+def test_init_random_refuses_an_out_it_cannot_create(tmp_path, capsys):
+    from dsv4.cli import main
+
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    assert main(["init-random", "--out", str(f / "sub")]) == 2
+    out, err = capsys.readouterr()
+    assert f"cannot write --out {f / 'sub'}: Not a directory" in err and "Traceback" not in err and out == ""
 
 
 # ---- bad checkpoints through dsv4-bench (issue 18, items 1 and 8) -----------------------------------------
@@ -311,6 +358,8 @@ BAD_CHECKPOINTS = [
     ("config not json", _config("{not json"), "config.json is not valid JSON"),
     ("config not an object", _config("[1, 2]"), "must hold a JSON object"),
     ("config not utf-8", lambda d: (d / "config.json").write_bytes(b"\xff\xfe{"), "not valid JSON"),
+    ("tokenizer not json", lambda d: (d / "tokenizer.json").write_text("{not json"),
+     r"tokenizer.json is not a readable tokenizer.json \(.*\); replace it with the model's own"),
 ]
 
 
@@ -341,6 +390,21 @@ def test_a_bad_checkpoint_is_a_message(good_checkpoint, tmp_path, capsys, name, 
     assert rc == 2 and re.search(words, err) and "Traceback" not in err, err
 
 
+def test_a_bad_tokenizer_is_a_message_for_prompt_lines(good_checkpoint, tmp_path, capsys):
+    import shutil
+
+    from dsv4.bench import cli
+
+    d = tmp_path / "broken"
+    shutil.copytree(good_checkpoint[0], d)
+    (d / "tokenizer.json").write_text("{not json")
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text('{"prompt": "hello", "output_tokens": 2}\n')
+    rc = cli.main(["--model", str(d), "throughput", "--dataset", str(ds)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tokenizer.json is not a readable tokenizer.json" in err and "Traceback" not in err, err
+
+
 # ---- dsv4-bench's files and flags (issue 18, items 5 and 8) ----------------------------------------------
 OK_LINE = b'{"task_id": 0, "input_ids": [1, 2, 3], "output_tokens": 2}\n'
 # (files to write in the working directory, arguments after --model tiny, the error's words)
@@ -361,6 +425,13 @@ BAD_BENCH = [
           "--output-mean", "inf"], "--output_mean inf: give a finite number"),
     ({}, ["prepare-dataset", "--stdout", "token-norm-dist", "--num-requests", "2", "--input-mean", "4",
           "--output-mean", "4", "--vocab-size", "0"], "vocabulary size must be >= 1, got 0"),
+    ({"ds.jsonl": OK_LINE, "c.yml": b"max_batch_size: 4\nkv_cache_config:\n  dtype: fp8\nmax_batch_size: 8\n"},
+     ["throughput", "--dataset", "ds.jsonl", "--config", "c.yml"],  # PyYAML kept the last one silently
+     "the key 'max_batch_size' is given twice (first on line 1; keep one) at line 4"),
+    ({"ds.jsonl": b'{"prompt": "a\\ud800", "output_tokens": 2}\n'}, ["throughput", "--dataset", "ds.jsonl"],
+     "ds.jsonl line 1: \"prompt\" is not valid Unicode text: a lone surrogate ('\\ud800') at character 1"),
+    ({"ds.jsonl": OK_LINE, "c.yml": b"seed: 100000000000000000000000\n"},
+     ["throughput", "--dataset", "ds.jsonl", "--config", "c.yml"], "seed must be an integer in [-2**63, 2**64 - 1]"),
 ]
 
 
@@ -473,4 +544,94 @@ def test_a_bad_checkpoint_is_a_message_at_tp2(good_checkpoint, tmp_path, capfd, 
     breaks(d)
     rc = cli.main(["--model", str(d), "throughput", "--dataset", str(ds), "--tp", "2", "--threads", "1"])
     err = capfd.readouterr().err  # capfd: the worker ranks' stderr too
+    assert rc == 2 and re.search(words, err) and "Traceback" not in err, err
+
+
+# ---- dsv4 serve: request bodies and the chat template -----------------------------------------------------
+@pytest.fixture(scope="module")
+def http():
+    from fastapi.testclient import TestClient
+
+    from dsv4.serve.app import build_app
+
+    served = LLM("mini", max_batch_size=4, max_seq_len=128, kv_cache_config={"max_tokens": 1024}, warmup=False)
+    with TestClient(build_app(served, "mini"), raise_server_exceptions=False) as client:
+        yield client
+
+
+USER = [{"role": "user", "content": "x"}]
+# (path, body, param, the error's words): a 400 naming the field, and the server still serves
+BAD_BODIES = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 1, "seed": 2**70}, "seed",
+     r"seed must be an integer or None \(an integer in \[-2\*\*63, 2\*\*64 - 1\]\)"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 1, "seed": 2**64 - 1, "n": 2}, "seed",
+     "seed must be an integer or None"),  # choice 1 draws with seed + 1
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "stream": True, "seed": -2**63 - 1}, "seed",
+     "seed must be an integer or None"),
+    ("/tokenize", {"messages": []}, "messages", "messages: List should have at least 1 item"),
+    # a lone surrogate escape: valid JSON, not text (the tokenizer raised a TypeError: a 500)
+    ("/v1/completions", {"prompt": ["ok", "\ud800"], "max_tokens": 2}, "prompt",
+     r"prompt is not valid Unicode text: it holds a lone surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}], "max_tokens": 2}, "messages",
+     "messages is not valid Unicode text"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt", "prompt is not valid Unicode text"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "tools": [{"function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     r"tool_choice names the function 'g', which is not in tools \(f\)"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", BAD_BODIES, ids=[w for *_, w in BAD_BODIES])
+def test_bad_request_bodies_are_400s_naming_the_field(http, path, body, param, words):
+    import json
+    import re
+
+    # (json.dumps escapes a lone surrogate as "\\ud800", as a client's JSON carries it)
+    r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and re.search(words, err["message"]), err
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 1, "seed": 7})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    assert http.get("/health").status_code == 200
+
+
+def _jinja_file(d, text):
+    (d / "t.jinja").write_bytes(text)
+    return ["--chat_template", str(d / "t.jinja")]
+
+
+def _checkpoint_file(name, text):
+    def write(d):
+        (d / "ckpt").mkdir()
+        (d / "ckpt" / "config.json").write_text("{}")  # (never read: the template is refused first)
+        (d / "ckpt" / name).write_text(text)
+        return []
+    return write
+
+
+# (how the template is broken, the error's words): refused before the engine process starts
+BAD_TEMPLATES = [
+    (lambda d: _jinja_file(d, b"{% for m in messages %}{{ m.content }"), "t.jinja': the chat template is not valid"
+     r" Jinja: unexpected '}' \(line 1\)"),
+    (lambda d: _jinja_file(d, b"\xff\xfe{{ x }}"), r"t.jinja' is not UTF-8 text \(byte 0xff at offset 0\)"),
+    (_checkpoint_file("chat_template.jinja", "{% if %}"), "the chat template of .*ckpt: the chat template is not valid"
+     " Jinja"),
+    (_checkpoint_file("tokenizer_config.json", "{not json"), "tokenizer_config.json is not valid JSON .*; fix it or"
+     " give --chat_template"),
+]
+
+
+@pytest.mark.parametrize("breaks,words", BAD_TEMPLATES, ids=[w.split(":")[-1] for _, w in BAD_TEMPLATES])
+def test_serve_refuses_a_bad_chat_template_before_starting(tmp_path, monkeypatch, capsys, breaks, words):
+    import re
+
+    from dsv4.cli import main
+    from dsv4.serve import launch
+
+    monkeypatch.setattr(launch, "_start_engine", lambda spec: pytest.fail("the engine started"))
+    extra = breaks(tmp_path)
+    model = str(tmp_path / "ckpt") if (tmp_path / "ckpt").exists() else "tiny"
+    rc = main(["serve", model, "--device", "cpu", *extra])
+    err = capsys.readouterr().err
     assert rc == 2 and re.search(words, err) and "Traceback" not in err, err

@@ -277,7 +277,7 @@ def _throughput(args) -> int:
                  "device": args.device, "dtype": args.dtype}
         derived = {"max_seq_len": max(r.input_len + r.output_tokens for r in reqs)}
         settings = resolve(flags, yaml_settings, args.config, derived)
-    except (BenchOptionsError, ds.DatasetError, EngineConfigError) as e:
+    except (BenchOptionsError, ds.DatasetError, EngineConfigError, CheckpointError) as e:
         raise UsageError(str(e)) from None
     for o in settings.overrides:
         _note(o)

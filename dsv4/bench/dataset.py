@@ -59,6 +59,12 @@ def parse_line(text: str, line: int, where: str = "dataset") -> DatasetRequest:
         prompt = None
     elif not isinstance(prompt, str) or not prompt:
         raise DatasetError(f"{where} line {line}: \"prompt\" must be a non-empty string")
+    else:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate escape ("\ud800"): JSON takes it, no tokenizer does
+            raise DatasetError(f"{where} line {line}: \"prompt\" is not valid Unicode text: a lone surrogate"
+                               f" ({prompt[e.start]!r}) at character {e.start}") from None
     out = obj.get("output_tokens")
     if out is None:
         raise DatasetError(f"{where} line {line}: no \"output_tokens\" (the number of tokens to generate)")

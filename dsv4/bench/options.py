@@ -34,6 +34,27 @@ FLAG_TO_KEY = {
 }
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}  # key -> the line it was first given on
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"the key {key!r} is given twice (first on line {seen[key]}; keep one)",
+                            key_node.start_mark)
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    pass
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str) -> dict:
     """The ``--config`` file as a dict (an empty file is an empty dict)."""
     try:
@@ -45,7 +66,7 @@ def load_yaml(path: str) -> dict:
         raise BenchOptionsError(f"--config {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset"
                                 f" {e.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # (safe_load's loader, plus unique keys)
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)

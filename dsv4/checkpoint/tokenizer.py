@@ -43,4 +43,11 @@ def load_tokenizer(checkpoint_dir: str):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path)
+    from .schema import CheckpointError
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # (the tokenizers library raises a bare Exception for a malformed file)
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{path} is not a readable tokenizer.json ({why}); replace it with the model's own,"
+                              " or remove it to pass token ids only") from None

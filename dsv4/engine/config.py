@@ -162,6 +162,8 @@ class EngineConfig:
             raise EngineConfigError(f"attention_backend {self.attention_backend!r}: use auto, torch or triton")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise EngineConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if not -(1 << 63) <= self.seed < (1 << 64):  # what torch.Generator.manual_seed takes
+            raise EngineConfigError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed}")
 
     @property
     def draft_len(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
 def _is_int(x) -> bool:
@@ -48,8 +49,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"SamplingParams.seed must be an integer or None (an integer in [-2**63, 2**64 - 1]),"
+                             f" got {self.seed!r}")
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         stops = tuple(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple)) else None
         if stops is None or not all(_is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (integers >= 0), got"

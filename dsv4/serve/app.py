@@ -31,8 +31,8 @@ from .job import Choice, Job
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import ReasoningParser, ToolCallParser
 from .protocol import (MAX_N, MAX_STOP_STRINGS, ApiError, ChatCompletionRequest, CompletionRequest,
-                       DetokenizeRequest, StreamChunks, TokenizeRequest, error_body, new_id, now, response_body, sse,
-                       usage)
+                       DetokenizeRequest, NamedToolChoice, StreamChunks, TokenizeRequest, error_body, new_id, now,
+                       response_body, sse, usage)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -67,6 +67,17 @@ def _need_tokenizer(state: ServerState, what: str) -> None:
     if state.tokenizer is None:
         raise ApiError(f"this model has no tokenizer (no tokenizer.json in the checkpoint): {what} needs one; send"
                        " token ids as the prompt of /v1/completions instead")
+
+
+def _encode(state: ServerState, text: str, param: str, **kw) -> list[int]:
+    """The token ids of ``text``; a 400 naming ``param`` for a string JSON allows but Unicode does not (a lone
+    surrogate escape such as ``"\\ud800"``), which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"{param} is not valid Unicode text: it holds a lone surrogate ({text[e.start]!r}); send"
+                       " whole characters (a surrogate pair, or the character itself)", param=param) from None
+    return state.tokenizer.encode(text, **kw).ids
 
 
 def _refuse_unsupported(body) -> None:
@@ -146,7 +157,7 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[lis
         texts, ids = None, p
     if texts is not None:
         _need_tokenizer(state, "a text prompt")
-        ids = [state.tokenizer.encode(t).ids for t in texts]
+        ids = [_encode(state, t, "prompt") for t in texts]
     for one in ids:
         if not one:
             raise ApiError("a prompt is empty (no tokens)", param="prompt")
@@ -318,9 +329,14 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     use_tools = bool(body.tools) and body.tool_choice != "none"
     if body.tool_choice not in (None, "none", "auto") and not body.tools:
         raise ApiError("tool_choice names a tool but no tools were given", param="tool_choice")
+    if isinstance(body.tool_choice, NamedToolChoice):
+        named, given = body.tool_choice.function.get("name"), [t.function.name for t in body.tools]
+        if named not in given:
+            raise ApiError(f"tool_choice names the function {named!r}, which is not in tools ({', '.join(given)});"
+                           " name one of them, or use 'auto'", param="tool_choice")
     text = state.encoder.encode(body.messages, opts, body.tools if use_tools else None, body.response_format,
                                 body.chat_template_kwargs)
-    ids = state.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = _encode(state, text, "messages", add_special_tokens=False)
     # special tokens stay in the text by default: </think> and the DSML markers are what the parsers read
     skip = False if body.skip_special_tokens is None else body.skip_special_tokens
     choices = []
@@ -459,9 +475,9 @@ def build_app(engine, model_name: str = "mini", *, api_key: str | None = None,
         if body.messages is not None:
             opts = chat_options(body.chat_template_kwargs, None)
             text = state.encoder.encode(body.messages, opts, body.tools, template_kwargs=body.chat_template_kwargs)
-            ids = state.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = _encode(state, text, "messages", add_special_tokens=False)
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+            ids = _encode(state, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_seq_len, "tokens": ids}
 
     @app.post("/detokenize")

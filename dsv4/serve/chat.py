@@ -240,10 +240,15 @@ def load_chat_template(checkpoint_dir: str | None) -> str | None:
             return f.read()
     path = os.path.join(checkpoint_dir, "tokenizer_config.json")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            tmpl = json.load(f).get("chat_template")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except ValueError as e:  # (not JSON, not UTF-8)
+            raise ValueError(f"{path} is not valid JSON ({e}); fix it or give --chat_template") from None
+        tmpl = config.get("chat_template") if isinstance(config, dict) else None
         if isinstance(tmpl, list):  # HF's named templates: the default one
-            tmpl = next((t.get("template") for t in tmpl if t.get("name") == "default"), None)
+            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
         if isinstance(tmpl, str) and tmpl.strip():
             return tmpl
     return None
@@ -261,7 +266,12 @@ class ChatEncoder:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_from_template
             env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
-            self._compiled = env.from_string(template)
+            from jinja2 import TemplateSyntaxError
+
+            try:
+                self._compiled = env.from_string(template)
+            except TemplateSyntaxError as e:
+                raise ValueError(f"the chat template is not valid Jinja: {e.message} (line {e.lineno})") from None
 
     @property
     def source(self) -> str:

@@ -95,6 +95,9 @@ def run(args) -> int:
                 template = f.read()
         except OSError as e:
             return _fail(f"cannot read --chat_template {args.chat_template!r}: {e.strerror or e}")
+        except UnicodeDecodeError as e:
+            return _fail(f"--chat_template {args.chat_template!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at"
+                         f" offset {e.start})")
     try:
         yaml_settings = load_yaml(args.extra_llm_api_options) if args.extra_llm_api_options else {}
         flags = {"max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
@@ -110,17 +113,23 @@ def run(args) -> int:
     import uvicorn
 
     from .app import build_app
-    from .chat import load_chat_template
+    from .chat import ChatEncoder, load_chat_template
     from .host import EngineSpec, freeze_heap
 
     path = resolve_model(args.model)
+    try:  # the chat template is checked before the engine is built
+        if template is None:
+            template = load_chat_template(path if os.path.isdir(path) else None)
+        ChatEncoder(template)
+    except (OSError, ValueError) as e:
+        where = f"--chat_template {args.chat_template!r}" if args.chat_template is not None else \
+            f"the chat template of {path}"
+        return _fail(f"{where}: {e}")
     level = logging.getLogger().getEffectiveLevel()
     engine = _start_engine(EngineSpec(path, settings.config, args.threads, level, args.batch_wait_steps))
     if isinstance(engine, int):
         return engine
     try:
-        if template is None:
-            template = load_chat_template(path if os.path.isdir(path) else None)
         name = args.served_model_name or args.model
         app = build_app(engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                         chat_template=template)

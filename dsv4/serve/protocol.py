@@ -138,7 +138,7 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
