@@ -40,12 +40,14 @@ def main():
                 dense[n].append(w)
             del w
     configs = [GEMV_CONFIG]
-    if a.sweep:  # tiles, warps, the inputs' load (one contiguous run split in two, or two strided loads), stages
-        tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4) for bn in (8, 16, 32) for bk in (256, 512, 1024)]
-        tiles += [dict(BLOCK_N=16, BLOCK_K=512, num_warps=8), dict(BLOCK_N=32, BLOCK_K=256, num_warps=8)]
-        configs += [dict(GEMV_CONFIG, **t, CONTIG_A=ca) for t in tiles for ca in (True, False)]
-        configs += [dict(GEMV_CONFIG, num_stages=st) for st in (1, 2)]
+    if a.sweep:  # tiles and warps
+        tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)]
+        configs += [dict(GEMV_CONFIG, **t) for t in tiles]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
+    tc_configs = [GEMM_CONFIG_FP4]
+    if a.sweep:
+        tc_configs += [dict(GEMM_CONFIG_FP4, BLOCK_N=bn, num_warps=w) for bn in (64, 128, 256) for w in (4, 8)]
+        tc_configs = [c for i, c in enumerate(tc_configs) if c not in tc_configs[:i]]
     rows = []
     for B in a.batch:
         ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()
@@ -63,37 +65,41 @@ def main():
             def gemv(c):
                 return lambda i: fp4_gemv(inp, r, packed[key][i][0], packed[key][i][1], be, gather, m_pad, 16, c)
 
-            def tc(i):
-                return _grouped_gemm(inp, r, packed[key][i][0], be, gather, m_pad, scale=packed[key][i][1])
+            def tc(c):
+                return lambda i: _grouped_gemm(inp, r, packed[key][i][0], be, gather, m_pad, c,
+                                               scale=packed[key][i][1])
 
             def bf16(i):
                 return _grouped_gemm(inp, r, dense[key][i % 2], be, gather, m_pad)
 
             t_bf16 = graph_us(bf16, 2)  # (2 copies: partly in L2 at batch 1, so this flatters bf16)
-            t_tc = graph_us(tc, COPIES)
-            err_tc = ((tc(0)[valid].float() - ref).norm() / ref.norm()).item()
-            results = []
-            for c in configs:
-                try:
-                    out = gemv(c)(0)[valid].float()
-                    results.append((graph_us(gemv(c), COPIES), c, ((out - ref).norm() / ref.norm()).item()))
-                except Exception as exc:  # a tile that does not compile: skip it
-                    print("skip", c, type(exc).__name__, str(exc)[:80])
-            default = next(t for t in results if t[1] == GEMV_CONFIG)
-            picks = [("gemv default", default)]
+            def measure(make, cs):
+                out = []
+                for c in cs:
+                    try:
+                        got = make(c)(0)[valid].float()
+                        out.append((graph_us(make(c), COPIES), c, ((got - ref).norm() / ref.norm()).item()))
+                    except Exception as exc:  # a tile that does not compile: skip it
+                        print("skip", c, type(exc).__name__, str(exc)[:80])
+                return out
+
+            results, tcs = measure(gemv, configs), measure(tc, tc_configs)
+            t_tc = tcs[0][0]
+            picks = [("gemv (default)", results[0])]
             if a.sweep:
-                for ca in (True, False):
-                    picks.append((f"gemv best, inputs {'contiguous' if ca else 'strided'}",
-                                  min((t for t in results if t[1]["CONTIG_A"] == ca), key=lambda t: t[0])))
-            picks.append(("fp4 tensor-core GEMM", (t_tc, GEMM_CONFIG_FP4, err_tc)))
+                picks.append(("gemv, best of sweep", min(results, key=lambda t: t[0])))
+            picks.append(("fp4 TC GEMM (default)", tcs[0]))
+            if a.sweep:
+                picks.append(("fp4 TC GEMM, best of sweep", min(tcs, key=lambda t: t[0])))
             for label, (t, c, err) in picks:
                 rows.append([B, name, label, "/".join(str(v) for v in c.values()), round(t, 1),
                              f"{nbytes / (t * 1e-6) / bw * 100:.0f}%", f"{t_tc / t:.2f}x", f"{t_bf16 / t:.2f}x",
                              f"{err:.1e}"])
             rows.append([B, name, "bf16 grouped GEMM (peer)", "default", round(t_bf16, 1),
                          f"{distinct * I * d * 2 / (t_bf16 * 1e-6) / bw * 100:.0f}%", "", "1.00x", ""])
-    heads = ["batch", "GEMM", "kernel", "config (" + "/".join(GEMV_CONFIG) + ")", "GPU us",
-             "of copy bw (FP4 bytes; bf16: its own)", "vs fp4 TC", "vs bf16", "rel err vs twin"]
+    heads = ["batch", "GEMM", "kernel", "config (GEMV: " + "/".join(GEMV_CONFIG) + "; TC: "
+             + "/".join(GEMM_CONFIG_FP4) + ")", "GPU us", "of copy bw (FP4 bytes; bf16: its own)",
+             "vs fp4 TC default", "vs bf16", "rel err vs twin"]
     report(f"Packed FP4 experts at decode sizes, GEMV vs tensor-core GEMM, {E} experts", table(heads, rows),
            a.append, notes=f"copy bandwidth {bw / 1e12:.2f} TB/s; bench/fp4_gemv_gpu.py")
 

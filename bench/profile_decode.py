@@ -32,12 +32,15 @@ def main():
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--mtp", type=int, default=0, help="MTP draft tokens per step (0: off); random weights, so"
                                                          " drafts are rejected: the cost of a verify step")
+    ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
+    ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    ap.add_argument("--kernels-only", action="store_true", help="only the kernel table (no eager ops, no cProfile)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     cfg = get_preset(a.preset)
     llm = LLM(a.preset, device="cuda", dtype="bf16", max_batch_size=max(a.batch), max_num_tokens=8192,
               max_seq_len=a.prompt_len + 3 * a.steps + 16 + a.mtp, kv_cache_config={"free_gpu_memory_fraction": 0.2},
-              enforce_eager=a.eager,
+              enforce_eager=a.eager, moe_config={"expert_format": a.expert_format}, linear_format=a.linear_format,
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": a.mtp} if a.mtp else None)
     eng = llm.engine
     rng = random.Random(0)
@@ -57,8 +60,8 @@ def main():
             for _ in range(a.steps):
                 eng.step()
             sync()
-        host = _host_profile(eng, a.steps, a.top)
-        sources = _ops_by_source(eng, a.top)
+        host = None if a.kernels_only else _host_profile(eng, a.steps, a.top)
+        sources = None if a.kernels_only else _ops_by_source(eng, a.top)
         while eng.has_unfinished_requests():
             eng.step()
         kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
@@ -71,10 +74,12 @@ def main():
         head = (f"{count / a.steps:.0f} kernel launches per step, {total_us / a.steps / 1e3:.2f} ms of kernel time"
                 f" per step, {wall_ms:.2f} ms wall per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'},"
                 f" MTP {a.mtp or 'off'})")
-        report(f"Decode step kernels, {a.preset}, bf16, batch {B}, MTP {a.mtp or 'off'}", head + "\n\n" + text,
-               a.append)
-        report(f"Device ops of one eager decode step by source line, batch {B}", sources, a.append)
-        report(f"Host time of a graphed decode step by function (cProfile), batch {B}", host, a.append)
+        formats = f"experts {a.expert_format}, linears {a.linear_format}"
+        report(f"Decode step kernels, {a.preset}, bf16, {formats}, batch {B}, MTP {a.mtp or 'off'}",
+               head + "\n\n" + text, a.append)
+        if not a.kernels_only:
+            report(f"Device ops of one eager decode step by source line, batch {B}", sources, a.append)
+            report(f"Host time of a graphed decode step by function (cProfile), batch {B}", host, a.append)
 
 
 def _host_profile(eng, steps: int, top: int) -> str:

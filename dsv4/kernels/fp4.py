@@ -1,5 +1,5 @@
 """FP4 e2m1 weights with e8m0 scales, decoded in plain torch: the twin of the kernels' in-loop decode
-(``fp4_gemv.e2m1_f16`` and the scale per 32 inputs, in ``moe`` and ``fp4_gemv``) and the decoder of the checkpoint format
+(``fp4_gemv.e2m1_word`` and the scale per 32 inputs, in ``moe`` and ``fp4_gemv``) and the decoder of the checkpoint format
 (``dsv4.checkpoint.quant.dequant_fp4``).
 
 Two codes per byte, the LOWER nibble the even input; bit 3 of a nibble is the sign, bits 0-2 index the

@@ -1,22 +1,20 @@
-"""Packed FP4 experts at decode sizes: the grouped product as one GEMV per row, on the CUDA cores.
+"""Packed FP4 experts at decode sizes: the grouped product as one GEMV per row, on the CUDA cores, and the
+word decode both FP4 kernels use.
 
 At a decode step an expert sees one or two of the step's rows, and the grouped GEMM (``moe._grouped_gemm``)
-pads each expert's rows to a tensor-core tile of 16 and rebuilds every weight tile in registers in the dot's
-layout: it reads the packed bytes at a few percent of the bandwidth. Here a program owns BLOCK_N outputs of one
-expert's row block and runs over its valid rows (a prefix of the block in the sorted layout, ``moe.align``): per
-pair of rows, the codes of BLOCK_K inputs for each output are one contiguous load, decoded to float32
-(``e2m1_f16``: a few integer ops and one conversion), the low nibbles multiplied by the even inputs and the high
-ones by the odd inputs, summed per group of 32 and scaled by the group's e8m0 byte (a power of two), in float32.
-(A form that scaled each decoded code and accumulated element-wise, reducing once at the end, measured 10-20%
-slower.)
-A block's third and later rows read its expert's tiles again, from L2.
+pads each expert's rows to a tensor-core tile of 16 and converts every decoded weight tile to the dot's layout.
+Here a program owns BLOCK_N outputs of one expert's row block and runs over its valid rows (a prefix of the block
+in the sorted layout, ``moe.align``): per pair of rows, the codes of BLOCK_K inputs for each output are one
+contiguous load of int32 words, 8 codes each, decoded by ``e2m1_word`` into 8 float32 tiles (input 8i + t of
+word i in tile t), each multiplied by its strided run of inputs (one contiguous load, split), summed per group of
+32 inputs (4 words) and scaled by the group's e8m0 byte (a power of two), in float32; the groups are summed
+once, after the K loop. A block's third and later rows read its expert's tiles again, from L2.
 Rows of the block past its valid ones are not written (nothing reads them: the combine and the SwiGLU's valid
 rows take only valid rows). The twin is ``moe._grouped_gemm_torch`` (the weights decoded by ``fp4.unpack_fp4``).
 
 ``moe.grouped_experts`` takes this path when the step's (token, choice) pairs average at most
 GEMV_MAX_ROWS_PER_EXPERT per expert, and never under batch invariance (one path whatever the batch).
 """
-
 from __future__ import annotations
 
 import torch
@@ -24,11 +22,21 @@ import torch
 from . import HAVE_TRITON
 
 GEMV_MAX_ROWS_PER_EXPERT = 1  # pairs per expert, on average, up to which the GEMV path runs
-GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "CONTIG_A": True}  # BLOCK_K: 32s
+GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # BLOCK_K: 32s
 
 
 def use_gemv(num_pairs: int, num_experts: int, invariant: bool) -> bool:
     return not invariant and num_pairs <= GEMV_MAX_ROWS_PER_EXPERT * num_experts
+
+
+def as_words(w: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., K/2] (uint8) as int32 words [..., K/8], the layout ``e2m1_word`` decodes (no copy)."""
+    return (w if w.stride(-1) == 1 else w.contiguous()).view(torch.int32)
+
+
+def use_asm(t: torch.Tensor) -> bool:
+    """The inline-PTX decode on CUDA; its Triton-op twin under Triton's interpreter (CPU tensors)."""
+    return t.device.type == "cuda"
 
 
 if HAVE_TRITON:
@@ -45,37 +53,83 @@ if HAVE_TRITON:
         bits = ((nib & 8) << 12) | ((nib & 7) << 9)
         return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
+    # One 32-bit word of codes (inputs 8i .. 8i + 7, nibble t at bits 4t .. 4t + 3) -> 8 float32, 2**-14 of the
+    # values, two codes per step in 16-bit halves (the way Marlin's dequantisation does it): the half's top nibble
+    # has its sign at bit 15 already and its e1 e0 m at bits 14-12, three places above their float16 spot, so
+    # (q & 0x80008000) | ((q & 0x70007000) >> 3) is two float16 codes, the inputs 3 and 7; the word shifted
+    # left by 4 gives inputs 2 and 6, and so on. About 2.5 integer ops per code against e2m1_f16's 7.
+    _E2M1_WORD_ASM = tl.constexpr("""{
+    .reg .b32 q, t, u;
+    .reg .b16 l, h;
+    mov.b32 q, $8;
+    and.b32 t, q, 0x70007000; shr.b32 t, t, 3; and.b32 u, q, 0x80008000; or.b32 u, u, t;
+    mov.b32 {l, h}, u; cvt.f32.f16 $3, l; cvt.f32.f16 $7, h;
+    shl.b32 q, q, 4;
+    and.b32 t, q, 0x70007000; shr.b32 t, t, 3; and.b32 u, q, 0x80008000; or.b32 u, u, t;
+    mov.b32 {l, h}, u; cvt.f32.f16 $2, l; cvt.f32.f16 $6, h;
+    shl.b32 q, q, 4;
+    and.b32 t, q, 0x70007000; shr.b32 t, t, 3; and.b32 u, q, 0x80008000; or.b32 u, u, t;
+    mov.b32 {l, h}, u; cvt.f32.f16 $1, l; cvt.f32.f16 $5, h;
+    shl.b32 q, q, 4;
+    and.b32 t, q, 0x70007000; shr.b32 t, t, 3; and.b32 u, q, 0x80008000; or.b32 u, u, t;
+    mov.b32 {l, h}, u; cvt.f32.f16 $0, l; cvt.f32.f16 $4, h;
+    }""")
+
     @triton.jit
-    def _inputs(a, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONTIG_A: tl.constexpr):
-        """A row's inputs k0 .. k0 + BLOCK_K as (even, odd) halves in float32, loaded as one contiguous run
-        and split (CONTIG_A) or as two strided loads."""
-        HALF: tl.constexpr = BLOCK_K // 2
-        if CONTIG_A:
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)
-            even, odd = tl.split(tl.reshape(x.to(tl.float32), [HALF, 2]))
+    def e2m1_word(w, ASM: tl.constexpr):
+        """int32 words of 8 codes -> 8 float32 tensors (input 8i + t in the t-th), 2**-14 of the values. ASM: the
+        inline PTX above; otherwise e2m1_f16 per nibble (its twin, and what the Triton interpreter runs)."""
+        if ASM:
+            return tl.inline_asm_elementwise(_E2M1_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         else:
-            k = k0 + 2 * tl.arange(0, HALF)
-            even = (tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)).to(tl.float32)
-            odd = (tl.load(a + k + 1) if EVEN_K else tl.load(a + k + 1, mask=k < K, other=0.0)).to(tl.float32)
-        return even, odd
+            return (e2m1_f16(w & 0xF).to(tl.float32), e2m1_f16((w >> 4) & 0xF).to(tl.float32),
+                    e2m1_f16((w >> 8) & 0xF).to(tl.float32), e2m1_f16((w >> 12) & 0xF).to(tl.float32),
+                    e2m1_f16((w >> 16) & 0xF).to(tl.float32), e2m1_f16((w >> 20) & 0xF).to(tl.float32),
+                    e2m1_f16((w >> 24) & 0xF).to(tl.float32), e2m1_f16((w >> 28) & 0xF).to(tl.float32))
+
+    @triton.jit
+    def split8(x):
+        """x [..., 2, 2, 2], runs of 8 inputs (input 8i + 4u + 2v + w at [i, u, v, w]) -> the 8 strided runs
+        [...] (the t-th holding inputs 8i + t), matching ``e2m1_word``'s tiles."""
+        x_0, x_1 = tl.split(x)  # w
+        x_00, x_01 = tl.split(x_0)  # v
+        x_10, x_11 = tl.split(x_1)
+        x0, x4 = tl.split(x_00)  # u
+        x2, x6 = tl.split(x_01)
+        x1, x5 = tl.split(x_10)
+        x3, x7 = tl.split(x_11)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def _word_dot(a, k0, K, o, sc, BLOCK_N: tl.constexpr, BW: tl.constexpr, EVEN_K: tl.constexpr):
+        """One row's inputs k0 .. k0 + 8 BW against the decoded words ``o`` (8 x [BLOCK_N, BW]): the sum per
+        group of 32 inputs (4 words), scaled by ``sc`` -> [BLOCK_N, BW / 4] (summed across groups, and so across
+        threads, once after the K loop)."""
+        k = k0 + tl.arange(0, 8 * BW)
+        x = (tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)).to(tl.float32)
+        x = split8(tl.reshape(x, [BW, 2, 2, 2]))
+        p = o[0] * x[0][None, :] + o[1] * x[1][None, :] + o[2] * x[2][None, :] + o[3] * x[3][None, :]
+        p += o[4] * x[4][None, :] + o[5] * x[5][None, :] + o[6] * x[6][None, :] + o[7] * x[7][None, :]
+        return tl.sum(tl.reshape(p, [BLOCK_N, BW // 4, 4]), axis=2) * sc
 
     @triton.jit
     def _fp4_gemv_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, S, stride_se, stride_sn, C, stride_cm,
                          BLOCK_EXPERT, N, K, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CONTIG_A: tl.constexpr):
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
         """C[r] = A[row r] @ decode(W[e]).T for each valid row r of row block pid 0 (expert e), outputs of
-        tile pid 1. W: packed e2m1 bytes [E, N, K/2]; S: their scale bytes [E, N, K/32]. EVEN_K: K is a
-        multiple of BLOCK_K, so no load is masked along K (masks that vary per byte keep loads scalar)."""
+        tile pid 1. W: the packed e2m1 bytes [E, N, K/2] read as int32 words [E, N, K/8]; S: their scale bytes
+        [E, N, K/32]. EVEN_K: K is a multiple of BLOCK_K, so no load is masked along K (masks that vary along
+        the words keep the loads scalar)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
             return
         G: tl.constexpr = BLOCK_K // 32
-        HALF: tl.constexpr = BLOCK_K // 2
+        BW: tl.constexpr = BLOCK_K // 8
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        j = tl.arange(0, HALF)  # byte j of a chunk: inputs 2j (low nibble) and 2j + 1 (high nibble)
+        i = tl.arange(0, BW)
         g = tl.arange(0, G)
         w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         s_rows = S + e.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
@@ -91,32 +145,26 @@ if HAVE_TRITON:
                 src1 = first + r + 1
             a0 = A + src0.to(tl.int64) * stride_am
             a1 = A + src1.to(tl.int64) * stride_am
-            acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc0 = tl.zeros([BLOCK_N, G], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_N, G], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
-                    codes = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+                    words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None], other=0)
+                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None], other=0)
                 else:  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
-                    k_ok = k0 + 2 * j < K
-                    codes = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                    other=0).to(tl.int32)
-                    g_ok = k0 + 32 * g < K
-                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & g_ok[None, :],
-                                 other=0).to(tl.int32)
-                lo = e2m1_f16(codes & 0xF).to(tl.float32)
-                hi = e2m1_f16(codes >> 4).to(tl.float32)
-                sc = (sb << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; b = 0 -> 0
-                a_even, a_odd = _inputs(a0, k0, K, BLOCK_K, EVEN_K, CONTIG_A)
-                p = lo * a_even[None, :] + hi * a_odd[None, :]
-                acc0 += tl.sum(tl.sum(tl.reshape(p, [BLOCK_N, G, 16]), axis=2) * sc, axis=1)  # per 32 inputs
+                    words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None] & (k0 + 8 * i < K)[None, :],
+                                    other=0)
+                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :],
+                                 other=0)
+                o = e2m1_word(words, ASM)
+                sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; 0 -> 0
+                acc0 += _word_dot(a0, k0, K, o, sc, BLOCK_N, BW, EVEN_K)
                 if two:
-                    a_even, a_odd = _inputs(a1, k0, K, BLOCK_K, EVEN_K, CONTIG_A)
-                    p = lo * a_even[None, :] + hi * a_odd[None, :]
-                    acc1 += tl.sum(tl.sum(tl.reshape(p, [BLOCK_N, G, 16]), axis=2) * sc, axis=1)
-            tl.store(C + (first + r).to(tl.int64) * stride_cm + offs_n, acc0.to(C.dtype.element_ty), mask=n_ok)
-            tl.store(C + (first + r + 1).to(tl.int64) * stride_cm + offs_n, acc1.to(C.dtype.element_ty),
-                     mask=n_ok & two)
+                    acc1 += _word_dot(a1, k0, K, o, sc, BLOCK_N, BW, EVEN_K)
+            tl.store(C + (first + r).to(tl.int64) * stride_cm + offs_n, tl.sum(acc0, axis=1).to(C.dtype.element_ty),
+                     mask=n_ok)
+            tl.store(C + (first + r + 1).to(tl.int64) * stride_cm + offs_n,
+                     tl.sum(acc1, axis=1).to(C.dtype.element_ty), mask=n_ok & two)
 
     def fp4_gemv(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                  block_expert: torch.Tensor, gather: bool, m_pad: int, block_m: int,
@@ -129,9 +177,10 @@ if HAVE_TRITON:
             raise ValueError(f"packed FP4 weights need BLOCK_K a multiple of 32, got {c['BLOCK_K']}")
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
         grid = (m_pad // block_m, triton.cdiv(n, c["BLOCK_N"]))
-        _fp4_gemv_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), scale, scale.stride(0),
+        words = as_words(w)
+        _fp4_gemv_kernel[grid](a, a.stride(0), rows, words, words.stride(0), words.stride(1), scale, scale.stride(0),
                                scale.stride(1), out, out.stride(0), block_expert, n, 2 * half_k, GATHER=gather,
                                BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                               EVEN_K=2 * half_k % c["BLOCK_K"] == 0, CONTIG_A=c["CONTIG_A"],
-                               num_warps=c["num_warps"], num_stages=c["num_stages"])
+                               EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), num_warps=c["num_warps"],
+                               num_stages=c["num_stages"])
         return out
