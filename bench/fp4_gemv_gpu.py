@@ -46,7 +46,9 @@ def main():
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     tc_configs = [GEMM_CONFIG_FP4]
     if a.sweep:
-        tc_configs += [dict(GEMM_CONFIG_FP4, BLOCK_N=bn, num_warps=w) for bn in (64, 128, 256) for w in (4, 8)]
+        tc_configs += [dict(GEMM_CONFIG_FP4, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+                       for bn, bk, w in ((64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 256, 4),
+                                         (128, 256, 8), (32, 512, 4), (64, 512, 8)) for st in (2, 3, 4)]
         tc_configs = [c for i, c in enumerate(tc_configs) if c not in tc_configs[:i]]
     rows = []
     for B in a.batch:

@@ -181,6 +181,36 @@ def test_grouped_moe_matches_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_kernels_decode_every_code_and_scale(dtype):
+    """Both FP4 kernels (the tensor-core GEMM and the GEMV) on random code bytes (every nibble, the subnormal
+    0.5 and -0 among them) and scale bytes 40..200 (2**-87 .. 2**73: past what one bfloat16 factor of 2**(b-1)
+    holds), against their torch twin on the same sorted layout, per output column (each column's scales within
+    a factor 8 of each other, so every group counts). float32 activations: the sums' order apart; bf16: the
+    twin's own bf16 product."""
+    from dsv4.kernels import fp4_gemv, moe
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    E, n, K, P = 4, 96, 384, 7
+    codes = torch.randint(0, 256, (E, n, K // 2), device="cuda", dtype=torch.uint8, generator=g)
+    base = torch.randint(40, 198, (E, n, 1), device="cuda", generator=g)
+    scale = (base + torch.randint(0, 4, (E, n, K // 32), device="cuda", generator=g)).to(torch.uint8)
+    a = torch.randn(P, K, device="cuda", generator=g).to(dtype)
+    ids = torch.randint(0, E, (P, 1), device="cuda", generator=g)
+    for bm in (16, 64):
+        rows, _, block_expert = moe.align(ids, E, bm)
+        m_pad = rows.shape[0]
+        twin = moe._grouped_gemm_torch(a.cpu(), rows.cpu(), codes.cpu(), block_expert.cpu(), True, m_pad,
+                                       scale=scale.cpu(), block_m=bm)
+        valid = (rows >= 0).cpu()
+        tc = moe._grouped_gemm(a, rows, codes, block_expert, True, m_pad, scale=scale, block_m=bm)
+        gemv = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm)
+        for name, out in (("tensor-core GEMM", tc), ("GEMV", gemv)):
+            got, ref = out.cpu()[valid].double(), twin[valid].double()
+            err = ((got - ref).norm(dim=0) / ref.norm(dim=0)).max().item()  # per column: scales differ by 2**157
+            assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (bm, name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_moe_fp4_equals_its_decoded_weights(dtype, monkeypatch):
     """Packed FP4 experts decoded in the grouped GEMM's inner loop == the same GEMMs on the decoded weights
     (the decode is exact in bf16; the sums differ in order only: the packed GEMM scales each 32 inputs' sum),

@@ -88,6 +88,40 @@ if HAVE_TRITON:
                     e2m1_f16((w >> 16) & 0xF).to(tl.float32), e2m1_f16((w >> 20) & 0xF).to(tl.float32),
                     e2m1_f16((w >> 24) & 0xF).to(tl.float32), e2m1_f16((w >> 28) & 0xF).to(tl.float32))
 
+    # Two words ($8, $9; their scale bytes $10, $11) -> 8 registers of two bfloat16 weights each, for the
+    # tensor-core kernel (its dot takes them as they are): the words' low halves are paired in one register and
+    # their high halves in another, so each step yields the same code of both words, the pair the dot operand
+    # holds. e1 e0 m go to bits 8-6 (the exponent field's low two bits and the mantissa's top one): each half
+    # reads 2**-126 of its code's value (e = 0 a bfloat16 subnormal, as Marlin's FP4 path has it), and two
+    # bf16x2 products, by 2**126 and by the group's 2**(b-127) (bits b << 7; b = 0 gives 0), make it the
+    # weight, exact for every b (one product by 2**(b-1) would overflow past b = 128).
+    _E2M1_BF16_STEP = """
+    and.b32 t, {r}, 0x70007000; shr.b32 t, t, 6; and.b32 u, {r}, 0x80008000; or.b32 u, u, t;
+    mul.rn.bf16x2 u, u, c; mul.rn.bf16x2 ${out}, u, f;"""
+    _E2M1_WORD_BF16_ASM = tl.constexpr("""{
+    .reg .b32 a, b, t, u, f, c;
+    prmt.b32 a, $8, $9, 0x5410;
+    prmt.b32 b, $8, $9, 0x7632;
+    shl.b32 f, $10, 7; shl.b32 t, $11, 23; or.b32 f, f, t;
+    mov.b32 c, 0x7E807E80;""" + "\n    shl.b32 a, a, 4; shl.b32 b, b, 4;".join(
+        _E2M1_BF16_STEP.format(r="a", out=t) + _E2M1_BF16_STEP.format(r="b", out=t + 4) for t in (3, 2, 1, 0))
+        + "\n    }")
+
+    @triton.jit
+    def e2m1_word_bf16(w, sb, ASM: tl.constexpr):
+        """int32 words of 8 codes and their scale bytes (int32, one per word) -> 8 bfloat16 tensors of weights
+        (input 8i + t in the t-th), exact. ASM: the inline PTX above; otherwise ``e2m1_word`` times the scale,
+        rounded to bfloat16 (exact too)."""
+        if ASM:
+            return tl.inline_asm_elementwise(_E2M1_WORD_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, sb],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            o = e2m1_word(w, False)
+            sc = (sb << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; b = 0 -> 0
+            return ((o[0] * sc).to(tl.bfloat16), (o[1] * sc).to(tl.bfloat16), (o[2] * sc).to(tl.bfloat16),
+                    (o[3] * sc).to(tl.bfloat16), (o[4] * sc).to(tl.bfloat16), (o[5] * sc).to(tl.bfloat16),
+                    (o[6] * sc).to(tl.bfloat16), (o[7] * sc).to(tl.bfloat16))
+
     @triton.jit
     def split8(x):
         """x [..., 2, 2, 2], runs of 8 inputs (input 8i + 4u + 2v + w at [i, u, v, w]) -> the 8 strided runs

@@ -38,7 +38,7 @@ GEMM_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 GEMM_CONFIG_SORTED = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 COMBINE_BLOCK = 1024
 GEMM_CONFIG_FP32 = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fp32 tiles: half the shared memory
-# packed FP4 weights (any activation dtype): the kernel steps through K by 128 inputs (16 code words) whatever BLOCK_K
+# packed FP4 weights (any activation dtype): BLOCK_K a power of two from 128 (BLOCK_K / 8 code words per output)
 GEMM_CONFIG_FP4 = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
@@ -114,7 +114,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .fp4_gemv import as_words, e2m1_word, split8, use_asm
+    from .fp4_gemv import as_words, e2m1_word_bf16, split8, use_asm
 
     @triton.jit
     def _combine_kernel(Y, PAIR_POS, KEEP, OUT, d, stride_y, K: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -166,8 +166,9 @@ if HAVE_TRITON:
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              IEEE: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
         """C[rows of block] = A[rows] @ W[e].T for the expert e of this row block. ``FP4``: W holds packed
-        e2m1 bytes [E, N, K/2] as int32 words [E, N, K/8] and S their scale bytes [E, N, K/32], decoded per 128
-        inputs (weight-only; BLOCK_K unused). ASM: ``e2m1_word``'s inline PTX; EVEN_K: K a multiple of 128. A
+        e2m1 bytes [E, N, K/2] as int32 words [E, N, K/8] and S their scale bytes [E, N, K/32], decoded per BLOCK_K
+        inputs (a power of two from 128; weight-only). ASM: ``e2m1_word_bf16``'s inline PTX; EVEN_K: K a multiple
+        of BLOCK_K. A
         scale byte of 0 (2**-127, below float32's normal range; real weights never have it) gives 0 here and
         its value in the twin."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -187,25 +188,24 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_ok = offs_n < N
         if FP4:
-            # per 128 inputs: 16 int32 words of codes for every output n, decoded by e2m1_word into 8 tiles (input
-            # 8i + t in tile t), each scaled by its group's power of two (exact in bf16) and one K = 16 product
-            # with the inputs 8i + t
-            iw = tl.arange(0, 16)
+            # per BLOCK_K inputs: BLOCK_K / 8 int32 words of codes for every output n, decoded and scaled by
+            # e2m1_word_bf16 into 8 bfloat16 tiles (input 8i + t in tile t), each one product with the inputs 8i + t
+            BW: tl.constexpr = BLOCK_K // 8
+            iw = tl.arange(0, BW)
             w_rows = W + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
             s_rows = S + e.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn
             a_rows = A + src.to(tl.int64)[:, None] * stride_am
-            for k0 in range(0, K, 128):
+            for k0 in range(0, K, BLOCK_K):
                 kw_ok = (k0 + 8 * iw < K) | EVEN_K  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
                 words = tl.load(w_rows + (k0 // 8 + iw)[:, None], mask=kw_ok[:, None] & n_ok[None, :], other=0)
                 sb = tl.load(s_rows + (k0 // 32 + iw // 4)[:, None], mask=kw_ok[:, None] & n_ok[None, :],
                              other=0).to(tl.int32)
-                sc = (sb << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; b = 0 -> 0
-                o = e2m1_word(words, ASM)
-                ak = k0 + tl.arange(0, 128)  # the inputs as one run, split into the 8 strided ones
+                o = e2m1_word_bf16(words, sb, ASM)
+                ak = k0 + offs_k  # the inputs as one run, split into the 8 strided ones
                 x = tl.load(a_rows + ak[None, :], mask=row_ok[:, None] & ((ak < K) | EVEN_K)[None, :], other=0.0)
-                xs = split8(tl.reshape(x, [BLOCK_M, 16, 2, 2, 2]))
+                xs = split8(tl.reshape(x, [BLOCK_M, BW, 2, 2, 2]))
                 for t in tl.static_range(8):
-                    wt = (o[t] * sc).to(A.dtype.element_ty)
+                    wt = o[t].to(A.dtype.element_ty)  # exact (float32 activations: the IEEE product)
                     if IEEE:
                         acc = tl.dot(xs[t], wt, acc, input_precision="ieee")
                     else:
@@ -241,12 +241,14 @@ if HAVE_TRITON:
         c = dict(base, **(config or {}))
         grid = (m_pad // block_m, triton.cdiv(n, c["BLOCK_N"]))
         if scale is not None:
+            if c["BLOCK_K"] < 128 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
+                raise ValueError(f"packed FP4 weights need BLOCK_K a power of two from 128, got {c['BLOCK_K']}")
             w = as_words(w)
         _grouped_gemm_kernel[grid](a, a.stride(0), rows, w, w.stride(0), w.stride(1), w.stride(2), out,
                                    out.stride(0), block_expert, n, kdim, s, s.stride(0), s.stride(1),
                                    GATHER=gather, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                                    IEEE=a.dtype == torch.float32, FP4=scale is not None, ASM=use_asm(a),
-                                   EVEN_K=kdim % 128 == 0, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                   EVEN_K=kdim % c["BLOCK_K"] == 0, num_warps=c["num_warps"], num_stages=c["num_stages"])
         return out
 
 
