@@ -31,6 +31,13 @@ from .parallel.mapping import ParallelMapping
 log = logging.getLogger("dsv4")
 
 
+def _token_ids(p) -> bool:
+    """Whether every element of p is an integer token id (bool is not). Plain ints take the fast test: the
+    ABC check costs about 0.7 us a token (6 ms of host time before an 8k prompt's prefill starts)."""
+    return all(type(t) is int for t in p) or all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)
+
+
 class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype="auto", warmup: bool = True,
                  config: EngineConfig | None = None, **settings):
@@ -186,8 +193,7 @@ class LLM:
                     raise ValueError(f"prompt {i}: not valid Unicode text: a lone surrogate ({p[e.start]!r}) at"
                                      f" character {e.start}") from None
                 continue
-            if not isinstance(p, (list, tuple)) or not all(
-                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+            if not isinstance(p, (list, tuple)) or not _token_ids(p):
                 raise TypeError(f"prompt {i}: expected a string or a list of integer token ids, got {p!r:.80}")
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -147,14 +147,18 @@ def test_bad_expert_formats_are_refused_before_loading():
         load_model("tiny", expert_format="int4")
 
 
-def test_big_steps_take_row_blocks_of_64_unless_batch_invariant():
-    """The grouped MoE's twin with row blocks of 64 (a prefill-sized step) equals the one with blocks of 16 and
-    the Experts loop; under batch invariance the block size never follows the step's size."""
-    from dsv4.kernels.moe import BLOCK_M, PREFILL_BLOCK_M, block_m_for, grouped_experts
+def test_big_steps_take_row_blocks_of_64_unless_batch_invariant(monkeypatch):
+    """The grouped MoE's twin with row blocks of 64 (a prefill-sized step) and of 128 equals the one with
+    blocks of 16 and the Experts loop; under batch invariance the block size never follows the step's size."""
+    from dsv4.kernels import moe
+    from dsv4.kernels.moe import BLOCK_M, LARGE_BLOCK_M, PREFILL_BLOCK_M, block_m_for, grouped_experts
 
     E, k, I, d, N = 4, 2, 64, 96, 140
     assert block_m_for(N * k, E) == PREFILL_BLOCK_M and block_m_for(N * k, E, invariant=True) == BLOCK_M
     assert block_m_for(N * k - 100, E) == BLOCK_M
+    assert block_m_for(4 * 128 * E, E, large=True) == LARGE_BLOCK_M  # 16-bit activations, unpacked weights
+    assert block_m_for(4 * 128 * E - 1, E, large=True) == block_m_for(4 * 128 * E, E) == PREFILL_BLOCK_M
+    assert block_m_for(4 * 128 * E, E, invariant=True, large=True) == BLOCK_M
     g = torch.Generator().manual_seed(3)
     w1, w3 = (torch.randn(E, I, d, generator=g, dtype=torch.float64) / d ** 0.5 for _ in range(2))
     w2 = torch.randn(E, d, I, generator=g, dtype=torch.float64) / I ** 0.5
@@ -164,6 +168,8 @@ def test_big_steps_take_row_blocks_of_64_unless_batch_invariant():
     big = grouped_experts(x, w, ids, w1, w2, w3, 10.0)
     small = grouped_experts(x, w, ids, w1, w2, w3, 10.0, invariant=True)
     assert torch.equal(big, small)
+    monkeypatch.setattr(moe, "block_m_for", lambda *a, **kw: LARGE_BLOCK_M)
+    assert torch.equal(grouped_experts(x, w, ids, w1, w2, w3, 10.0), small)  # row blocks of 128
     h = torch.nn.functional.silu((torch.einsum("nd,nkid->nki", x, w1[ids])).clamp(max=10))
     h = h * torch.einsum("nd,nkid->nki", x, w3[ids]).clamp(-10, 10)
     ref = torch.einsum("nk,nki,nkdi->nd", w, h, w2[ids])

@@ -23,6 +23,16 @@ def rel_err(a, b):
     (5, 64, 512, 300, 128, 10, 0),    # no compressed entries
 ])
 def test_sparse_sink_attention_matches_torch(dtype, N, H, D, R1, K1, R2, K2):
+    q, src, sink, ref = _attention_case(dtype, N, H, D, R1, K1, R2, K2)
+    out = sparse_sink_attention(q, src, sink, D ** -0.5)
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0  # all weight on the sink: no value
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(out, ref) < tol
+
+
+def _attention_case(dtype, N, H, D, R1, K1, R2, K2):
+    """Random q, two key sources (token 0 sees no key), the sink and the float64 twin's output."""
     g = torch.Generator(device="cuda").manual_seed(N * 131 + K2)
     dev = "cuda"
     q = torch.randn(N, H, D, device=dev, generator=g).to(dtype)
@@ -37,11 +47,44 @@ def test_sparse_sink_attention_matches_torch(dtype, N, H, D, R1, K1, R2, K2):
     sink = torch.randn(H, device=dev, generator=g)
     src = [(kv1, i1, v1), (kv2, i2, v2)]
     ref = sparse_sink_attention_ref(q.double(), [(k.double(), i, v) for k, i, v in src], sink.double(), D ** -0.5)
-    out = sparse_sink_attention(q, src, sink, D ** -0.5)
-    assert torch.isfinite(out).all()
-    assert out[0].abs().max() == 0  # all weight on the sink: no value
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert rel_err(out, ref) < tol
+    return q, src, sink, ref
+
+
+@pytest.mark.parametrize("dtype, tile, N, H, D, K2", [
+    (torch.bfloat16, None, 200, 64, 512, 512),  # the wide tile, taken from WIDE_TOKENS tokens on
+    (torch.bfloat16, None, 64, 64, 512, 77),
+    (torch.float32, (64, 16, 512, 8, 1), 70, 64, 512, 130),  # the wide tile's code in fp32 (exact dots)
+    (torch.bfloat16, (64, 32, 256, 8, 2), 70, 64, 512, 130),  # the output split over programs
+    (torch.float32, (16, 64, 32, 4, 2), 90, 4, 32, 40),  # fewer heads than the tile holds
+])
+def test_sparse_sink_attention_tiles_match_torch(dtype, tile, N, H, D, K2):
+    from dsv4.kernels import sparse_attention as sa
+
+    q, src, sink, ref = _attention_case(dtype, N, H, D, 300, 129, 2000, K2)
+    if tile is None:
+        assert N >= sa.WIDE_TOKENS and dtype != torch.float32  # sparse_sink_attention takes the wide tile
+        out = sparse_sink_attention(q, src, sink, D ** -0.5)
+        assert torch.equal(out, sa._sparse_sink_attention(q, src, sink, D ** -0.5, 0, sa.wide_tile(H, D)))
+    else:
+        out = sa._sparse_sink_attention(q, src, sink, D ** -0.5, 0, tile)
+    assert out[0].abs().max() == 0
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("tile", [None, (64, 64, 512, 8, 1)])
+def test_sparse_sink_attention_fp8_rows_wide_tile(tile):
+    """An FP8 cache's rows (e4m3 and a scale per 64 values) through the wide tile equal the twin, which
+    dequantises them as the cache reads them."""
+    from dsv4.kernels import sparse_attention as sa
+    from dsv4.kernels.fp8 import quantize_fp8
+
+    q, src, sink, _ = _attention_case(torch.bfloat16, 96, 64, 512, 300, 129, 2000, 512)
+    fp8 = [(*quantize_fp8(kv), i, v) for kv, i, v in src]
+    fp8 = [(r, i, v, sc) for r, sc, i, v in fp8]
+    ref = sparse_sink_attention_ref(q.double(), fp8, sink.double(), 512 ** -0.5)
+    out = sparse_sink_attention(q, fp8, sink, 512 ** -0.5) if tile is None else \
+        sa._sparse_sink_attention(q, fp8, sink, 512 ** -0.5, 0, tile)
+    assert rel_err(out, ref) < 1e-2
 
 
 def test_sparse_attention_writes_every_output():
@@ -146,23 +189,27 @@ def test_gate_kernels_match_twin(func, hashed, dtype):
     gate = gate.to(dtype)
     if not hashed:
         gate.bias.data = gate.bias.data.float()
-    x = torch.randn(33, cfg.hidden_size).to(dtype)
-    tok = torch.randint(0, cfg.vocab_size, (33,))
+    x = torch.randn(133, cfg.hidden_size).to(dtype)  # more than 64 tokens: 16 a program
+    tok = torch.randint(0, cfg.vocab_size, (133,))
     w_ref, ids_ref = gate(x, tok)
     gate = gate.cuda()
-    _poison_allocator(33 * 64, torch.float32)
+    _poison_allocator(133 * 64, torch.float32)
     w, ids = gate(x.cuda(), tok.cuda())
     assert torch.equal(ids.cpu(), ids_ref) and rel_err(w.cpu(), w_ref) < 1e-5
+    w5, ids5 = gate(x[:5].cuda(), tok[:5].cuda())  # one token a program: the same bits
+    assert torch.equal(w5, w[:5]) and torch.equal(ids5, ids[:5])
 
 
 def test_grouped_moe_matches_torch():
-    """Decode sizes (row blocks of 16) and a prefill-sized step (400 tokens: blocks of 64) against fp64."""
-    from dsv4.kernels.moe import PREFILL_BLOCK_M, block_m_for, grouped_experts
+    """Decode sizes (row blocks of 16) and prefill-sized steps (400 tokens: blocks of 64; 2800: blocks of 128 with
+    their 128 x 256 tiles) against fp64."""
+    from dsv4.kernels.moe import LARGE_BLOCK_M, PREFILL_BLOCK_M, block_m_for, grouped_experts
 
     assert block_m_for(400 * 6, 32) == PREFILL_BLOCK_M and block_m_for(96 * 6, 32) < PREFILL_BLOCK_M
+    assert block_m_for(2800 * 6, 32, large=True) == LARGE_BLOCK_M
     g = torch.Generator(device="cuda").manual_seed(0)
     for N, E, k, I, d in ((1, 32, 6, 2048, 4096), (96, 32, 6, 2048, 4096), (5, 8, 2, 32, 64),
-                          (400, 32, 6, 512, 1024)):
+                          (400, 32, 6, 512, 1024), (2800, 32, 6, 384, 512)):
         w1 = (torch.randn(E, I, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
         w3 = (torch.randn(E, I, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
         w2 = (torch.randn(E, d, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
@@ -423,7 +470,7 @@ def test_bf16_teacher_forced_logits_match_dense_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("N, d", [(1, 4096), (37, 64), (5, 1000)])
+@pytest.mark.parametrize("N, d", [(1, 4096), (37, 64), (5, 1000), (300, 4096), (300, 1000)])
 def test_mhc_kernels_match_twins(dtype, N, d):
     """dsv4.kernels.mhc (hc_pre, hc_head, hc_post on CUDA) against the torch lines of model.mhc on the CPU."""
     from dsv4.model import mhc
@@ -446,6 +493,8 @@ def test_mhc_kernels_match_twins(dtype, N, d):
     assert u.dtype == dtype and torch.isfinite(u).all() and torch.isfinite(comb).all()
     assert rel_err(post.cpu(), post_ref) < 1e-5 and rel_err(comb.cpu(), comb_ref) < 1e-5  # fp32 weights
     assert rel_err(u.cpu(), u_ref) < tol
+    few = mhc.hc_pre(X[:3], fn, base, scale, 20, 1e-6, 1e-6)  # a token's result whatever the batch size
+    assert all(torch.equal(a[:3], b) for a, b in zip((u, post, comb), few))
     _poison_allocator(N * n * d * 4, dtype)
     head = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6)
     assert torch.isfinite(head).all() and rel_err(head.cpu(), head_ref) < tol

@@ -19,18 +19,24 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gate_logits(X, stride_x, W, L, E, d: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr):
-        t, eb = tl.program_id(0), tl.program_id(1)
+    def _gate_logits(X, stride_x, W, L, N, E, d: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                     TOKENS: tl.constexpr):
+        """Grid (cdiv(N, TOKENS), expert blocks): TOKENS tokens one after another against the same expert rows
+        (re-read from L1, not L2), each token's sum in the same order whatever TOKENS is."""
+        eb = tl.program_id(1)
         e = eb * BE + tl.arange(0, BE)
         me = e < E
-        acc = tl.zeros([BE], dtype=tl.float32)
-        for d0 in range(0, d, BD):
-            c = d0 + tl.arange(0, BD)
-            mc = c < d
-            x = tl.load(X + t * stride_x + c, mask=mc, other=0.0).to(tl.float32)
-            w = tl.load(W + e[:, None] * d + c[None, :], mask=me[:, None] & mc[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-        tl.store(L + t * E + e, acc, mask=me)
+        for j in range(TOKENS):
+            t = tl.program_id(0) * TOKENS + j
+            live = t < N
+            acc = tl.zeros([BE], dtype=tl.float32)
+            for d0 in range(0, d, BD):
+                c = d0 + tl.arange(0, BD)
+                mc = (c < d) & live
+                x = tl.load(X + t.to(tl.int64) * stride_x + c, mask=mc, other=0.0).to(tl.float32)
+                w = tl.load(W + e[:, None] * d + c[None, :], mask=me[:, None] & mc[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * x[None, :], axis=1)
+            tl.store(L + t.to(tl.int64) * E + e, acc, mask=me & live)
 
     @triton.jit
     def _gate_route(L, BIAS, TID2EID, TOK, OUT_W, OUT_IDS, E, route_scale, K: tl.constexpr, KP: tl.constexpr,
@@ -80,8 +86,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2
     w = torch.empty(N, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=x.device)
     if N:
-        _gate_logits[(N, triton.cdiv(E, BLOCK_E))](x, x.stride(0), weight, logits, E, d=d, BE=BLOCK_E, BD=BLOCK_D,
-                                                   num_warps=4)
+        tokens = 1 if N <= 64 else 16  # decode: tokens x experts programs; prefill: expert rows read once per 16
+        _gate_logits[(triton.cdiv(N, tokens), triton.cdiv(E, BLOCK_E))](
+            x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=BLOCK_D, TOKENS=tokens, num_warps=4)
         hashed = tid2eid is not None
         _gate_route[(N,)](logits, bias.float().contiguous() if bias is not None else logits,
                           tid2eid.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids,

@@ -16,6 +16,9 @@ import torch
 from . import HAVE_TRITON, on
 
 BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs per token)
+MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N is: the reductions' layout
+# follows the tile, so a token's bits would change with it. A token a program (the earlier kernel, products
+# summed on the CUDA cores) was latency-bound at prefill sizes: 1.5 ms a launch for 8k tokens on an H200
 BLOCK_D = 512  # channels per collapse / write-back program
 
 if HAVE_TRITON:
@@ -23,20 +26,31 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _mix_partials(X, stride_x, FN, P, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
-        t, kb = tl.program_id(0), tl.program_id(1)
+    def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                      TOKENS: tl.constexpr):
+        """Grid (cdiv(N, TOKENS), K / BLOCK): TOKENS tokens' partials over inputs chunk kb as one dot on the
+        tensor cores in 3xTF32 (each operand split into a TF32 head and tail, three products: float32's accuracy;
+        a bfloat16 x is its own head), the sums of squares beside it."""
+        kb = tl.program_id(1)
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         k = kb * BLOCK + tl.arange(0, BLOCK)
         mk = k < K
-        x = tl.load(X + t * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+        live = t < N
         r = tl.arange(0, RP)
-        w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0)
-        dots = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        out = tl.where(r == R, tl.sum(x * x, axis=0), dots)  # column R: the chunk's sum of squares
-        tl.store(P + (t * tl.num_programs(1) + kb) * (R + 1) + r, out, mask=r <= R)
+        w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=live[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        dots = tl.dot(x, tl.trans(w), input_precision="tf32x3")  # [TOKENS, RP]
+        out = tl.where(r[None, :] == R, tl.sum(x * x, axis=1)[:, None], dots)  # column R: the sum of squares
+        tl.store(P + (t.to(tl.int64)[:, None] * tl.num_programs(1) + kb) * (R + 1) + r[None, :], out,
+                 mask=live[:, None] & (r <= R)[None, :])
 
     @triton.jit
     def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, U, eps, norm_eps, K, d, iters: tl.constexpr,
-                  n: tl.constexpr, KBP: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+                  n: tl.constexpr, KBP: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+                  SLICES: tl.constexpr):
+        """Grid (N, cdiv(d, BLOCK * SLICES)): token t's weights from its partials (each program computes
+        them alike), then SLICES slices of BLOCK channels of the weighted sum."""
         t, db = tl.program_id(0), tl.program_id(1)
         R: tl.constexpr = n if HEAD else (2 + n) * n
         i = tl.arange(0, n)
@@ -62,11 +76,13 @@ if HAVE_TRITON:
                     c = c / (tl.sum(c, axis=0)[None, :] + eps)
                 tl.store(POST + t * n + i, post)
                 tl.store(COMB + t * n * n + jk, c)
-        c_ = db * BLOCK + tl.arange(0, BLOCK)
-        mc = c_ < d
-        x = tl.load(X + t * stride_x + i[:, None] * d + c_[None, :], mask=mc[None, :], other=0.0).to(tl.float32)
-        u = tl.sum(pre[:, None] * x, axis=0)
-        tl.store(U + t * d + c_, u.to(U.dtype.element_ty), mask=mc)
+        for j in range(SLICES):
+            c_ = (db * SLICES + j) * BLOCK + tl.arange(0, BLOCK)
+            mc = c_ < d
+            x = tl.load(X + t.to(tl.int64) * stride_x + i[:, None] * d + c_[None, :], mask=mc[None, :],
+                        other=0.0).to(tl.float32)
+            u = tl.sum(pre[:, None] * x, axis=0)
+            tl.store(U + t.to(tl.int64) * d + c_, u.to(U.dtype.element_ty), mask=mc)
 
     @triton.jit
     def _post(Y, X, POST, COMB, OUT, d, n: tl.constexpr, BLOCK: tl.constexpr):
@@ -80,6 +96,13 @@ if HAVE_TRITON:
         mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [k, c]: sum over j
         out = tl.load(POST + t * n + i)[:, None] * y[None, :] + mixed
         tl.store(OUT + t * n * d + i[:, None] * d + c_[None, :], out.to(OUT.dtype.element_ty), mask=mc[None, :])
+
+
+def collapse_slices(N: int, d: int) -> int:
+    """Channel slices (BLOCK_D) per collapse program: one in decode-sized steps (tokens x d / BLOCK_D programs
+    fill the GPU), all of d in prefill chunks, where every program read its token's partials again (8k tokens:
+    0.42 ms a launch on an H200). The values do not depend on it: each program computes the weights alike."""
+    return 1 if N <= 256 else triton.cdiv(d, BLOCK_D)
 
 
 def usable(X: torch.Tensor) -> bool:
@@ -99,12 +122,15 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     post = torch.empty(N, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
     if N:
-        _mix_partials[(N, KB)](X, X.stride(0), fn, P, K, R=R, RP=triton.next_power_of_2(R + 1), BLOCK=BLOCK_K,
-                               num_warps=4)
-        _collapse[(N, triton.cdiv(d, BLOCK_D))](P, KB, X, X.stride(0), scale.float().contiguous(),
-                                                base.float().contiguous(), post, comb, u, eps, norm_eps,
-                                                K, d, iters=iters, n=n, KBP=triton.next_power_of_2(KB), HEAD=head,
-                                                BLOCK=BLOCK_D, num_warps=1)  # Sinkhorn: warp-local reductions
+        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R,
+                                                        RP=max(16, triton.next_power_of_2(R + 1)), BLOCK=BLOCK_K,
+                                                        TOKENS=MIX_TOKENS, num_warps=4)
+        slices = collapse_slices(N, d)
+        _collapse[(N, triton.cdiv(d, BLOCK_D * slices))](P, KB, X, X.stride(0), scale.float().contiguous(),
+                                                         base.float().contiguous(), post, comb, u, eps, norm_eps,
+                                                         K, d, iters=iters, n=n, KBP=triton.next_power_of_2(KB),
+                                                         HEAD=head, BLOCK=BLOCK_D, SLICES=slices,
+                                                         num_warps=1)  # Sinkhorn: warp-local reductions
     return u, post, comb
 
 

@@ -32,6 +32,12 @@ BLOCK_M = 16
 PREFILL_BLOCK_M = 64
 # tiles for 64-row blocks (bf16; fp32 and packed FP4 weights keep their own)
 GEMM_CONFIG_PREFILL = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+# Rows per block once the pairs average 4 x 128 rows per expert (8k-token chunks of Flash: 1536), 16-bit
+# activations and unpacked weights only, with tiles of 128 x 256 (bench/prefill_moe_gpu.py, H200, 8192 tokens:
+# w1 1.40 ms against 1.92 with blocks of 64, w2 1.67 against 2.13; cuBLAS's batched GEMM over equal rows per
+# expert 1.05 / 1.08). Below 4 x 128 the padding of each expert's rows to 128 costs more than it saves.
+LARGE_BLOCK_M = 128
+GEMM_CONFIG_LARGE = {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # tile choices measured by bench/grouped_gemm_configs.py on the H200 at batch 1 and 32 (BENCHMARKS.md): the
 # gathering GEMMs (w1, w3) and the sorted-row GEMM (w2) differ
 GEMM_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
@@ -42,11 +48,16 @@ GEMM_CONFIG_FP32 = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 
 GEMM_CONFIG_FP4 = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
-def block_m_for(num_pairs: int, num_experts: int, invariant: bool = False) -> int:
+def block_m_for(num_pairs: int, num_experts: int, invariant: bool = False, large: bool = False) -> int:
     """Rows per block of a grouped GEMM over ``num_pairs`` (token, choice) pairs: PREFILL_BLOCK_M once they
-    average that many per expert, else BLOCK_M (always under batch invariance: a row's sums then do not
+    average that many per expert, LARGE_BLOCK_M once they average 4 x that many and ``large`` (16-bit
+    activations, unpacked weights), else BLOCK_M (always under batch invariance: a row's sums then do not
     depend on the step's size)."""
-    return PREFILL_BLOCK_M if not invariant and num_pairs >= PREFILL_BLOCK_M * num_experts else BLOCK_M
+    if invariant:
+        return BLOCK_M
+    if large and num_pairs >= 4 * LARGE_BLOCK_M * num_experts:
+        return LARGE_BLOCK_M
+    return PREFILL_BLOCK_M if num_pairs >= PREFILL_BLOCK_M * num_experts else BLOCK_M
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -237,7 +248,8 @@ if HAVE_TRITON:
         s = scale if scale is not None else w  # unused without FP4
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
         base = (GEMM_CONFIG_FP4 if scale is not None else GEMM_CONFIG_FP32 if a.element_size() > 2
-                else GEMM_CONFIG_PREFILL if block_m > BLOCK_M else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED)
+                else GEMM_CONFIG_LARGE if block_m >= LARGE_BLOCK_M else GEMM_CONFIG_PREFILL if block_m > BLOCK_M
+                else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED)
         c = dict(base, **(config or {}))
         grid = (m_pad // block_m, triton.cdiv(n, c["BLOCK_N"]))
         if scale is not None:
@@ -285,7 +297,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     blocks of BLOCK_M whatever the step's size (``block_m_for``; batch invariance)."""
     N, k = ids.shape
     E = w1.shape[0]
-    bm = block_m_for(N * k, E, invariant)
+    bm = block_m_for(N * k, E, invariant, large=scales is None and x.element_size() == 2)
     if keep is None:
         rows, pair_pos, block_expert = align(ids, E, bm)
     else:

@@ -1,0 +1,83 @@
+"""Where a prefill's GPU time goes: torch.profiler over ``LLM.generate`` of one prompt with ``max_tokens=1``,
+kernels grouped by name and by kind (cuBLAS GEMMs, the MoE grouped GEMM, attention, indexer, the rest), with each
+kind's share of the summed kernel time. Issue 20's prefill goal is stated on 8k-token chunks.
+
+    python3 bench/profile_prefill.py --lens 8192 [--preset flash-L4-E32 --top 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from common import report, sync, table, timed
+from torch.profiler import ProfilerActivity, profile
+
+from dsv4 import LLM, SamplingParams
+from dsv4.config import get_preset
+
+# kind of a kernel, from its name (first match wins)
+KINDS = [("MoE grouped GEMM", ("_grouped_gemm", "grouped_gemm")),
+         ("GEMM (cuBLAS / nvjet)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+         ("attention", ("sparse_sink", "_split_partial", "_split_merge", "attn")),
+         ("indexer", ("index", "topk", "radix")),
+         ("compressor / pool", ("pool", "compress")),
+         ("MoE routing / align / combine", ("_gate_", "_align", "_combine", "_token_rows", "_expand")),
+         ("norm / mHC / rope / swiglu", ("norm", "mhc", "rope", "swiglu", "sinkhorn"))]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other (torch elementwise, copies, ...)"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="flash-L4-E32")
+    ap.add_argument("--lens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
+    ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    ap.add_argument("--append", default=None)
+    a = ap.parse_args()
+    cfg = get_preset(a.preset)
+    llm = LLM(a.preset, device="cuda", dtype="bf16", max_batch_size=1, max_num_tokens=a.chunk,
+              max_seq_len=max(a.lens) + 8, kv_cache_config={"free_gpu_memory_fraction": 0.5},
+              moe_config={"expert_format": a.expert_format}, linear_format=a.linear_format)
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    for T in a.lens:
+        prompt = [rng.randrange(2, cfg.vocab_size) for _ in range(T)]
+        llm.generate([prompt], sp)  # untimed: shapes compile
+        wall, _ = timed(lambda prompt=prompt: llm.generate([prompt], sp), repeat=3)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate([prompt], sp)
+            sync()
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+        total = sum(e.device_time_total for e in kernels)
+        kernels.sort(key=lambda e: -e.device_time_total)
+        by_kind: dict[str, list[float]] = {}
+        for e in kernels:
+            got = by_kind.setdefault(kind_of(e.key), [0.0, 0])
+            got[0] += e.device_time_total
+            got[1] += e.count
+        kind_rows = [[k, n, f"{us / 1e3:.2f}", f"{100 * us / total:.1f}%"]
+                     for k, (us, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])]
+        rows = [[e.key[:80].replace("|", "/"), e.count, f"{e.device_time_total / 1e3:.2f}",
+                 f"{e.device_time_total / e.count:.0f}", f"{100 * e.device_time_total / total:.1f}%"]
+                for e in kernels[:a.top]]
+        head = (f"{T}-token prompt: TTFT {wall * 1e3:.1f} ms (median of 3), {total / 1e3:.1f} ms of kernel time "
+                f"in {sum(e.count for e in kernels)} launches")
+        report(f"Prefill kernels, {a.preset}, bf16, experts {a.expert_format}, linears {a.linear_format}, "
+               f"{T} tokens in chunks of {a.chunk}",
+               head + "\n\n" + table(["kind", "launches", "ms", "share"], kind_rows) + "\n\n"
+               + table(["kernel", "launches", "ms", "us each", "share"], rows), a.append)
+
+
+if __name__ == "__main__":
+    main()
