@@ -70,6 +70,22 @@ def graph_us(fn, copies: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def event_ms(fn, repeat: int = 5) -> float:
+    """Median GPU time (ms, CUDA events) of single calls of fn after one untimed call: for launches long enough
+    (prefill sizes) that the host's launch cost does not matter."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (median of 10)."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")

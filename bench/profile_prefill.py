@@ -8,6 +8,8 @@ kind's share of the summed kernel time. Issue 20's prefill goal is stated on 8k-
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 
 from common import report, sync, table, timed
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    ap.add_argument("--host", action="store_true", help="also the host's time by function (cProfile, own time)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     cfg = get_preset(a.preset)
@@ -77,6 +80,19 @@ def main():
                f"{T} tokens in chunks of {a.chunk}",
                head + "\n\n" + table(["kind", "launches", "ms", "share"], kind_rows) + "\n\n"
                + table(["kernel", "launches", "ms", "us each", "share"], rows), a.append)
+        if a.host:
+            prof = cProfile.Profile()
+            sync()
+            prof.enable()
+            llm.generate([prompt], sp)
+            sync()
+            prof.disable()
+            st = pstats.Stats(prof)
+            top = sorted(((tt, nc, f) for f, (_, nc, tt, _, _) in st.stats.items()), reverse=True)[:a.top]
+            report(f"Host time of one {T}-token prefill by function (cProfile, own time; waiting for the GPU shows"
+                   " in the call that synchronises)",
+                   table(["function", "calls", "own ms"], [[f"{f[0].split('/')[-1]}:{f[1]} {f[2]}".replace("|", "/"),
+                                                           nc, f"{tt * 1e3:.2f}"] for tt, nc, f in top]), a.append)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""Sparse sink attention at prefill sizes: the single-pass kernel's tiles (heads per program BLOCK_H, keys per
+step BLOCK_K, output columns per program DV, warps, pipeline stages) on one 8k-token chunk of Flash's shapes
+(64 heads of 512, bf16), for the three layer kinds: the window alone (128 keys a token), HCA (the window and
+the token's ratio-128 entries: 64 columns) and CSA (the window and the indexer's 512 entries). The window keys
+are rows t-127..t of the combined space (ring copy, then the chunk's rows), the entries random rows of the
+ones the token sees (a row of the real layout), so the keys a chunk reads fit L2 as in the engine.
+
+Each tile is checked first against the float64 torch twin on 256 tokens of the chunk; then timed with CUDA
+events, median of 5 (each one launch). TFLOP/s counts the valid keys: 4 H D flops a (query, key) pair.
+"auto" is the path sparse_sink_attention takes (split or single pass, its tile), "default tile" the single pass
+with the tile it takes when no tile is given."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+from common import event_ms, report, table
+
+if importlib.util.find_spec("dsv4") is None:  # run from bench/ without PYTHONPATH: the repository root
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dsv4.kernels import sparse_attention as sa
+
+TILES = ["auto", None, (16, 32, 512, 8, 2), (16, 64, 512, 8, 2), (32, 32, 512, 8, 2), (32, 32, 256, 8, 2),
+         (64, 32, 512, 8, 1), (64, 32, 512, 8, 2), (64, 64, 512, 8, 2), (64, 16, 512, 8, 3),
+         (64, 32, 256, 8, 2), (64, 32, 256, 8, 3), (64, 64, 256, 8, 2), (64, 32, 256, 4, 2), (64, 32, 128, 4, 2)]
+
+
+def chunk(N, H, D, W, kind, g, start=0):
+    """q, sources and the sink of one N-token chunk whose first token is at position ``start``."""
+    q = torch.randn(N, H, D, device="cuda", generator=g).bfloat16()
+    pos = start + torch.arange(N, device="cuda")
+    win = torch.randn(N + W, D, device="cuda", generator=g).bfloat16()  # the ring copy (W rows), the chunk's
+    key_pos = pos[:, None] - W + 1 + torch.arange(W, device="cuda")[None, :]  # positions t-127..t
+    i1 = (key_pos - start + W).clamp(min=0)
+    v1 = key_pos >= 0
+    sources = [(win, i1, v1)]
+    if kind != "window":
+        ratio = 128 if kind == "HCA" else 4
+        R2 = max((start + N) // ratio, 1)
+        K2 = R2 if kind == "HCA" else 512
+        rows = torch.randn(R2, D, device="cuda", generator=g).bfloat16()
+        seen = (pos + 1) // ratio  # entries token t sees
+        if kind == "HCA":
+            i2 = torch.arange(K2, device="cuda")[None, :].expand(N, K2).contiguous()
+            v2 = i2 < seen[:, None]
+        else:
+            i2 = (torch.rand(N, K2, device="cuda", generator=g) * seen.clamp(min=1)[:, None]).long()
+            v2 = torch.arange(K2, device="cuda")[None, :] < seen[:, None]
+        sources.append((rows, i2, v2))
+    sink = torch.randn(H, device="cuda", generator=g)
+    return q, sources, sink
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--start", type=int, default=0, help="position of the chunk's first token (8192: a decode-like"
+                    " step late in a sequence, every key valid)")
+    ap.add_argument("--kinds", nargs="+", default=["window", "HCA", "CSA"])
+    ap.add_argument("--tiles", nargs="*", default=None, help="tiles to try, each BLOCK_H/BLOCK_K/DV/warps/stages"
+                    " (default: a sweep; the default tile is always timed)")
+    ap.add_argument("--append", default=None)
+    a = ap.parse_args()
+    H, D, W = 64, 512, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scale = D ** -0.5
+    rows_out = []
+    for N, kind in [(n, k) for n in a.tokens for k in a.kinds]:
+        q, sources, sink = chunk(N, H, D, W, kind, g, a.start)
+        pairs = sum(int(v.sum()) for _, _, v in sources)
+        flops = 4 * H * D * pairs
+        sub = slice(max(N - 256, 0), N)  # the last 256 tokens
+        ref = sa.sparse_sink_attention_ref(q[sub].double(), [(r.double(), i[sub], v[sub]) for r, i, v in sources],
+                                           sink.double(), scale)
+        tiles = TILES if a.tiles is None else ["auto", None] + [tuple(int(x) for x in t.split("/")) for t in a.tiles]
+        for tile in tiles:
+            name = {"auto": "auto (the path taken)", None: "single pass, default tile"}.get(tile) or "/".join(
+                str(x) for x in tile)
+            try:
+                if tile == "auto":
+                    fn = lambda: sa.sparse_sink_attention(q, sources, sink, scale)
+                else:
+                    fn = lambda tile=tile: sa._sparse_sink_attention(q, sources, sink, scale, split=0, tile=tile)
+                err = ((fn()[sub].double() - ref).abs().max() / ref.abs().max()).item()
+                ms = event_ms(fn)
+            except Exception as e:  # a tile that does not compile (registers, shared memory) is reported
+                rows_out.append([N, kind, name, f"failed: {type(e).__name__} {str(e)[:60]}", "", ""])
+                continue
+            rows_out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+        del q, sources
+    report(f"Sparse sink attention, chunks from position {a.start}, H={H} D={D}, bf16: single-pass tiles",
+           table(["tokens", "layer kind", "BLOCK_H/BLOCK_K/DV/warps/stages", "rel err vs fp64", "ms", "TFLOP/s"], rows_out),
+           a.append)
+
+
+if __name__ == "__main__":
+    main()
