@@ -25,7 +25,8 @@ KINDS = [("MoE grouped GEMM", ("_grouped_gemm", "grouped_gemm")),
          ("indexer", ("index", "topk", "radix")),
          ("compressor / pool", ("pool", "compress")),
          ("MoE routing / align / combine", ("_gate_", "_align", "_combine", "_token_rows", "_expand")),
-         ("norm / mHC / rope / swiglu", ("norm", "mhc", "rope", "swiglu", "sinkhorn"))]
+         ("mHC", ("_mix_partials", "_collapse", "_post")),
+         ("norm / rope / swiglu", ("norm", "rope", "swiglu"))]
 
 
 def kind_of(name: str) -> str:

@@ -22,7 +22,8 @@ if HAVE_TRITON:
     def _gate_logits(X, stride_x, W, L, N, E, d: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
                      TOKENS: tl.constexpr):
         """Grid (cdiv(N, TOKENS), expert blocks): TOKENS tokens one after another against the same expert rows
-        (re-read from L1, not L2), each token's sum in the same order whatever TOKENS is."""
+        (read again by the same program, not by one program per token), each token's sum in the same order
+        whatever TOKENS is."""
         eb = tl.program_id(1)
         e = eb * BE + tl.arange(0, BE)
         me = e < E

@@ -91,12 +91,6 @@ if HAVE_TRITON:
     @triton.jit
     def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr):
         """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok."""
-        return _attend_block_values(q, m, l, acc, kv, kv, ok, scale, IEEE)
-
-    @triton.jit
-    def _attend_block_values(q, m, l, acc, kv, vals, ok, scale, IEEE: tl.constexpr):
-        """``_attend_block`` with the values a slice of the keys' columns: kv [BK, D] scores, vals [BK, DV]
-        (the same rows) sum into acc [BH, DV]."""
         if IEEE:
             s = tl.dot(q, tl.trans(kv), input_precision="ieee")
         else:
@@ -108,9 +102,9 @@ if HAVE_TRITON:
         p = tl.exp(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         return m_new, l, acc
 
     @triton.jit
@@ -127,65 +121,47 @@ if HAVE_TRITON:
     @triton.jit
     def _load_block(n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K, offs_k, D: tl.constexpr,
                     FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
-        """Key columns offs_k (those < K) of token n: kv [BK, D] (0 where not valid), the valid mask and the
-        cache rows [BK, 1]. FP8:
+        """Key columns offs_k (those < K) of token n: kv [BK, D] (0 where not valid) and the valid mask. FP8:
         KV holds the e4m3 bytes and SC a float32 scale per row and FP8_BLOCK values; kv is then their
         product in fp32 (the caller rounds it to q's dtype, as the cache's reads do)."""
         in_range = offs_k < K
         idx = tl.load(IDX + n * stride_i + offs_k, mask=in_range, other=0)
         ok = (tl.load(VAL + n * stride_i + offs_k, mask=in_range, other=0) != 0) & in_range
+        offs_d = tl.arange(0, D)
         rows = idx.to(tl.int64)[:, None]
-        kv = _load_rows(KV, stride_kv, SC, stride_sc, rows, ok, tl.arange(0, D), FP8, FP8_BLOCK)
-        return kv, ok, rows
-
-    @triton.jit
-    def _load_rows(KV, stride_kv, SC, stride_sc, rows, ok, offs_d, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
-        """Columns offs_d of cache rows ``rows`` [BK, 1] (0 where not ok)."""
         kv = tl.load(KV + rows * stride_kv + offs_d[None, :], mask=ok[:, None], other=0)
         if FP8:
             sc = tl.load(SC + rows * stride_sc + (offs_d // FP8_BLOCK)[None, :], mask=ok[:, None], other=0.0)
             kv = _fp8_e4m3_to_f32(kv.to(tl.int32)) * sc
-        return kv
+        return kv, ok
 
     @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
                                  KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
                                  KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 DV: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
-        """Single pass, grid (N, head blocks, D / DV): all K1 + K2 keys of token n in one program, which
-        writes columns DV * program_id(2) .. of the output (DV < D: the scores computed again per slice, the
-        accumulator DV wide)."""
+                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
+        """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program."""
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_d = tl.arange(0, D)
-        offs_v = tl.program_id(2) * DV + tl.arange(0, DV)
         q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
         # the sink starts the running max and contributes exp(sink - m) to the denominator, no value
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         l = tl.full([BLOCK_H], 1.0, tl.float32)
-        acc = tl.zeros([BLOCK_H, DV], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
         for k0 in range(0, K1, BLOCK_K):
-            m, l, acc = _attend_source(q, m, l, acc, n, KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
-                                       k0 + tl.arange(0, BLOCK_K), offs_v, scale, D, DV, IEEE, FP8, FP8_BLOCK)
+            kv, ok = _load_block(n, KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
+                                 k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
         for k0 in range(0, K2, BLOCK_K):
-            m, l, acc = _attend_source(q, m, l, acc, n, KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
-                                       k0 + tl.arange(0, BLOCK_K), offs_v, scale, D, DV, IEEE, FP8, FP8_BLOCK)
+            kv, ok = _load_block(n, KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
+                                 k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
         out = acc / l[:, None]
-        tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
+        tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
-
-    @triton.jit
-    def _attend_source(q, m, l, acc, n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K, offs_k, offs_v, scale,
-                       D: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-                       FP8_BLOCK: tl.constexpr):
-        """Key columns offs_k of one source into the online softmax; the values are columns offs_v."""
-        kv, ok, rows = _load_block(n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K, offs_k, D, FP8, FP8_BLOCK)
-        if DV == D:
-            return _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
-        vals = _load_rows(KV, stride_kv, SC, stride_sc, rows, ok, offs_v, FP8, FP8_BLOCK)
-        return _attend_block_values(q, m, l, acc, kv.to(q.dtype), vals.to(q.dtype), ok, scale, IEEE)
 
     @triton.jit
     def _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV, stride_kv, SC, stride_sc, IDX, VAL,
@@ -202,7 +178,7 @@ if HAVE_TRITON:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             acc = tl.zeros([BLOCK_H, D], tl.float32)
             for k0 in range(0, SPLIT, BLOCK_K):  # constexpr bounds
-                kv, ok, _ = _load_block(n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K,
+                kv, ok = _load_block(n, KV, stride_kv, SC, stride_sc, IDX, VAL, stride_i, K,
                                      start + k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
                 m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
             tl.store(WS + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
@@ -283,7 +259,7 @@ def split_for(n: int, hb: int, k1: int, k2: int) -> int:
 WIDE_TOKENS = 64  # tokens from which the single pass takes the wide tile (16-bit q only)
 
 
-def wide_tile(H: int, D: int, fp8: bool = False) -> tuple:
+def wide_tile(H: int, fp8: bool = False) -> tuple:
     """The single pass's tile for many tokens (prefill chunks, large verify steps): one program holds up to 64
     heads of its token, so it reads each key once for all of them and the dots are 64 rows tall (Hopper's
     warpgroup MMA), keys 64 at a time, two pipeline stages. Measured on an H200 (bench/prefill_attention_gpu.py,
@@ -292,15 +268,15 @@ def wide_tile(H: int, D: int, fp8: bool = False) -> tuple:
     fewer, launch-bound, no difference is measurable, so decode keeps its tiles. An FP8 cache's rows take keys
     32 at a time (their float32 decode does not fit the shared memory with 64; 32 measured 4.2 ms on the bf16
     CSA layer)."""
-    return (max(16, min(64, triton.next_power_of_2(H))), 32 if fp8 else 64, D, 8, 2)
+    return (max(16, min(64, triton.next_power_of_2(H))), 32 if fp8 else 64, 8, 2)
 
 
 def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
                            split: int | None = None, tile: tuple | None = None) -> torch.Tensor:
     """The Triton launch on any device Triton runs on (the interpreter's CPU tensors too). ``split``: None =
     ``split_for(K1, K2)``, 0 = single pass, else the split path with chunks of ``split`` keys (a power of two,
-    at least 32; tests and bench/attention_split.py). ``tile``: the single pass's (BLOCK_H, BLOCK_K, DV,
-    num_warps, num_stages) instead of the default (benches)."""
+    at least 32; tests and bench/attention_split.py). ``tile``: the single pass's (BLOCK_H, BLOCK_K, num_warps,
+    num_stages) instead of the default (tests, benches)."""
     N, H, D = q.shape
     if len(sources) == 1:
         sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0], *sources[0][3:])]
@@ -322,17 +298,17 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     if split is None:
         split = split_for(N, hb, K1, K2)
         if not split and tile is None and not ieee and N >= WIDE_TOKENS:
-            tile = wide_tile(H, D, fp8)
+            tile = wide_tile(H, fp8)
     block_k = 16 if D >= 512 and ieee else 32
     num_warps = 4 if D <= 128 else 8
     if not split:
-        block_h, block_k, dv, num_warps, stages = tile or (BLOCK_H, block_k, D, num_warps, None)
+        block_h, block_k, num_warps, stages = tile or (BLOCK_H, block_k, num_warps, None)
         extra = {} if stages is None else {"num_stages": stages}
-        _sparse_sink_attn_kernel[(N, triton.cdiv(H, block_h), D // dv)](
+        _sparse_sink_attn_kernel[(N, triton.cdiv(H, block_h))](
             q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
             kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
-            D=D, BLOCK_H=block_h, BLOCK_K=block_k, DV=dv, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
+            D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
             num_warps=num_warps, **extra)
         return out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
