@@ -2,7 +2,9 @@
 (tensor cores, ``moe.GEMM_CONFIG_FP4``) and the bf16 grouped GEMM on the same experts, GPU time (``graph_us``:
 24 launches in one CUDA graph, cycling over 6 weight copies so none sits in L2), Flash's expert shapes (d 4096,
 moe_inter_dim 2048, 6 experts per token) with 128 experts (flash-E128). Checks each against the twin (the
-weights decoded, one bf16 GEMM) first. Prints a short table; ``--sweep`` also tries GEMV tiles.
+weights decoded, one bf16 GEMM) first. Every kernel's grid stops at the row blocks that can hold pairs
+(``moe.active_blocks``, as in the engine); the "all blocks" rows launch a program per row block of the layout,
+as before. Prints a short table; ``--sweep`` also tries GEMV tiles.
 
     python3 bench/fp4_gemv_gpu.py [--batch 1 32 --experts 128 --sweep]
 """
@@ -16,7 +18,7 @@ from common import copy_bandwidth, graph_us, report, table
 
 from dsv4.checkpoint.quant import pack_fp4_stacked
 from dsv4.kernels.fp4_gemv import GEMV_CONFIG, fp4_gemv
-from dsv4.kernels.moe import GEMM_CONFIG_FP4, _grouped_gemm, _grouped_gemm_torch, align
+from dsv4.kernels.moe import GEMM_CONFIG_FP4, _grouped_gemm, _grouped_gemm_torch, active_blocks, align
 
 COPIES = 6
 
@@ -57,6 +59,7 @@ def main():
         m_pad = r.shape[0]
         valid = r >= 0
         distinct = ids.unique().numel()
+        nb = active_blocks(m_pad, 16, B * k)  # the engine's grids (every kernel below but the "all blocks" rows)
         x = torch.randn(B, d, device="cuda", generator=g, dtype=torch.bfloat16)
         h = torch.randn(m_pad, I, device="cuda", generator=g, dtype=torch.bfloat16)
         for name, key, gather, inp in (("w1 (d -> I)", "w1", True, x), ("w2 (I -> d)", "w2", False, h)):
@@ -64,17 +67,19 @@ def main():
             ref = _grouped_gemm_torch(inp, r, codes, be, gather, m_pad, scale=scale)[valid].float()
             nbytes = distinct * I * d * (0.5 + 1 / 32)
 
-            def gemv(c):
-                return lambda i: fp4_gemv(inp, r, packed[key][i][0], packed[key][i][1], be, gather, m_pad, 16, c)
+            def gemv(c, blocks=nb):
+                return lambda i: fp4_gemv(inp, r, packed[key][i][0], packed[key][i][1], be, gather, m_pad, 16, c,
+                                          blocks=blocks)
 
-            def tc(c):
+            def tc(c, blocks=nb):
                 return lambda i: _grouped_gemm(inp, r, packed[key][i][0], be, gather, m_pad, c,
-                                               scale=packed[key][i][1])
+                                               scale=packed[key][i][1], blocks=blocks)
 
-            def bf16(i):
-                return _grouped_gemm(inp, r, dense[key][i % 2], be, gather, m_pad)
+            def bf16(blocks):
+                return lambda i: _grouped_gemm(inp, r, dense[key][i % 2], be, gather, m_pad, blocks=blocks)
 
-            t_bf16 = graph_us(bf16, 2)  # (2 copies: partly in L2 at batch 1, so this flatters bf16)
+            t_bf16 = graph_us(bf16(nb), 2)  # (2 copies: partly in L2 at batch 1, so this flatters bf16)
+            t_bf16_all = graph_us(bf16(None), 2)
             def measure(make, cs):
                 out = []
                 for c in cs:
@@ -87,18 +92,21 @@ def main():
 
             results, tcs = measure(gemv, configs), measure(tc, tc_configs)
             t_tc = tcs[0][0]
-            picks = [("gemv (default)", results[0])]
+            picks = [("gemv (default)", results[0]),
+                     ("gemv (default), all blocks", measure(lambda c: gemv(c, None), configs[:1])[0])]
             if a.sweep:
                 picks.append(("gemv, best of sweep", min(results, key=lambda t: t[0])))
             picks.append(("fp4 TC GEMM (default)", tcs[0]))
+            picks.append(("fp4 TC GEMM (default), all blocks", measure(lambda c: tc(c, None), tc_configs[:1])[0]))
             if a.sweep:
                 picks.append(("fp4 TC GEMM, best of sweep", min(tcs, key=lambda t: t[0])))
             for label, (t, c, err) in picks:
                 rows.append([B, name, label, "/".join(str(v) for v in c.values()), round(t, 1),
                              f"{nbytes / (t * 1e-6) / bw * 100:.0f}%", f"{t_tc / t:.2f}x", f"{t_bf16 / t:.2f}x",
                              f"{err:.1e}"])
-            rows.append([B, name, "bf16 grouped GEMM (peer)", "default", round(t_bf16, 1),
-                         f"{distinct * I * d * 2 / (t_bf16 * 1e-6) / bw * 100:.0f}%", "", "1.00x", ""])
+            for label, t in (("bf16 grouped GEMM (peer)", t_bf16), ("bf16 grouped GEMM, all blocks", t_bf16_all)):
+                rows.append([B, name, label, "default", round(t, 1),
+                             f"{distinct * I * d * 2 / (t * 1e-6) / bw * 100:.0f}%", "", f"{t_bf16 / t:.2f}x", ""])
     heads = ["batch", "GEMM", "kernel", "config (GEMV: " + "/".join(GEMV_CONFIG) + "; TC: "
              + "/".join(GEMM_CONFIG_FP4) + ")", "GPU us", "of copy bw (FP4 bytes; bf16: its own)",
              "vs fp4 TC default", "vs bf16", "rel err vs twin"]

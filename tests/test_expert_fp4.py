@@ -174,3 +174,35 @@ def test_big_steps_take_row_blocks_of_64_unless_batch_invariant(monkeypatch):
     h = h * torch.einsum("nd,nkid->nki", x, w3[ids]).clamp(-10, 10)
     ref = torch.einsum("nk,nki,nkdi->nd", w, h, w2[ids])
     assert torch.allclose(big, ref.float(), rtol=1e-5, atol=1e-6)  # (the output is fp32, as Experts.forward)
+
+
+@pytest.mark.parametrize("N, k, E, bm", [(1, 6, 128, 16), (3, 6, 128, 16), (32, 6, 128, 16), (7, 2, 4, 16),
+                                         (300, 6, 16, 64), (5, 8, 256, 128)])
+def test_only_the_first_active_blocks_hold_pairs(N, k, E, bm):
+    """The grids stop at ``active_blocks``: every pair's row lies in the first min(m_pad / bm, pairs) row blocks
+    and every later block is padding (-1), with other ranks' pairs (``keep``) laid out as one more expert too;
+    the grouped MoE's twin cut there equals the einsum of the experts."""
+    from dsv4.kernels.moe import active_blocks, align_torch, grouped_experts
+
+    g = torch.Generator().manual_seed(N * E + k)
+    ids = torch.rand(N, E, generator=g).topk(k, dim=1).indices
+    keep = torch.rand(N, k, generator=g) < 0.5
+    for experts, layout in ((E, ids), (E + 1, torch.where(keep, ids, E))):
+        rows, pair_pos, block_expert = align_torch(layout, experts, bm)
+        n = active_blocks(rows.shape[0], bm, N * k)
+        assert n < rows.shape[0] // bm or N * k >= rows.shape[0] // bm
+        assert (block_expert[n:] == -1).all() and (rows[n * bm:] == -1).all() and (pair_pos < n * bm).all()
+    if E > 64 and N > 3:
+        return
+    I, d = 32, 48
+    w1, w3 = (torch.randn(E, I, d, generator=g, dtype=torch.float64) / d ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, d, I, generator=g, dtype=torch.float64) / I ** 0.5
+    x = torch.randn(N, d, generator=g, dtype=torch.float64)
+    w = torch.rand(N, k, generator=g, dtype=torch.float64)
+    h = torch.nn.functional.silu((torch.einsum("nd,nkid->nki", x, w1[ids])).clamp(max=10))
+    h = h * torch.einsum("nd,nkid->nki", x, w3[ids]).clamp(-10, 10)
+    ref = torch.einsum("nk,nki,nkdi->nd", w, h, w2[ids])
+    assert torch.allclose(grouped_experts(x, w, ids, w1, w2, w3, 10.0), ref.float(), rtol=1e-5, atol=1e-6)
+    ref_keep = torch.einsum("nk,nki,nkdi->nd", w * keep, h, w2[ids])
+    assert torch.allclose(grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep), ref_keep.float(), rtol=1e-5,
+                          atol=1e-6)

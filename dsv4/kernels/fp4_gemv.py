@@ -202,15 +202,16 @@ if HAVE_TRITON:
 
     def fp4_gemv(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                  block_expert: torch.Tensor, gather: bool, m_pad: int, block_m: int,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, blocks: int | None = None) -> torch.Tensor:
         """out [m_pad, n] (sorted layout; only valid rows written) = a[rows] @ decode(w[e]).T per row block, as
-        ``moe._grouped_gemm(..., scale=scale)``. ``config``: GEMV_CONFIG's keys (bench/fp4_gemv_gpu.py)."""
+        ``moe._grouped_gemm(..., scale=scale, blocks=blocks)``. ``config``: GEMV_CONFIG's keys
+        (bench/fp4_gemv_gpu.py)."""
         E, n, half_k = w.shape
         c = dict(GEMV_CONFIG, **(config or {}))
         if c["BLOCK_K"] % 32:
             raise ValueError(f"packed FP4 weights need BLOCK_K a multiple of 32, got {c['BLOCK_K']}")
         out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
-        grid = (m_pad // block_m, triton.cdiv(n, c["BLOCK_N"]))
+        grid = (m_pad // block_m if blocks is None else blocks, triton.cdiv(n, c["BLOCK_N"]))
         words = as_words(w)
         _fp4_gemv_kernel[grid](a, a.stride(0), rows, words, words.stride(0), words.stride(1), scale, scale.stride(0),
                                scale.stride(1), out, out.stride(0), block_expert, n, 2 * half_k, GATHER=gather,

@@ -75,6 +75,14 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
 ALIGN_KERNEL_MAX = 1 << 15  # pairs x experts (powers of two) one align program holds in registers
 
 
+def active_blocks(m_pad: int, block_m: int, pairs: int) -> int:
+    """How many row blocks of the layout can hold pairs: a prefix (the segments start at row 0 and follow each
+    other; blocks past the last are -1), and each such block holds at least one of the ``pairs``. The kernels'
+    grids and the SwiGLU stop there: at a decode step of 128 experts all but a few of the m_pad / block_m blocks
+    are padding (one token's 6 pairs: 6 of 121), and their programs only load -1 and exit."""
+    return min(m_pad // block_m, pairs)
+
+
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -238,10 +246,11 @@ if HAVE_TRITON:
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=offs_n[None, :] < N)
 
     def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int, config: dict | None = None,
-                      scale: torch.Tensor | None = None, block_m: int = BLOCK_M):
+                      scale: torch.Tensor | None = None, block_m: int = BLOCK_M, blocks: int | None = None):
         """out [m_pad, n] (sorted layout) = a[rows] @ w[e].T per row block. ``config``: BLOCK_N, BLOCK_K,
         num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices). ``scale``: w is packed
-        FP4 [E, n, k/2] with these scale bytes [E, n, k/32]."""
+        FP4 [E, n, k/2] with these scale bytes [E, n, k/32]. ``blocks``: only the first row blocks have
+        programs (``active_blocks``; None: all of them); the rows of the others are not written."""
         E, n, kdim = w.shape
         if scale is not None:
             kdim *= 2
@@ -251,7 +260,7 @@ if HAVE_TRITON:
                 else GEMM_CONFIG_LARGE if block_m >= LARGE_BLOCK_M else GEMM_CONFIG_PREFILL if block_m > BLOCK_M
                 else GEMM_CONFIG if gather else GEMM_CONFIG_SORTED)
         c = dict(base, **(config or {}))
-        grid = (m_pad // block_m, triton.cdiv(n, c["BLOCK_N"]))
+        grid = (m_pad // block_m if blocks is None else blocks, triton.cdiv(n, c["BLOCK_N"]))
         if scale is not None:
             if c["BLOCK_K"] < 128 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
                 raise ValueError(f"packed FP4 weights need BLOCK_K a power of two from 128, got {c['BLOCK_K']}")
@@ -264,16 +273,18 @@ if HAVE_TRITON:
         return out
 
 
-def _gemv(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor, block_m: int = BLOCK_M):
+def _gemv(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor, block_m: int = BLOCK_M,
+          blocks: int | None = None):
     """``_grouped_gemm``'s call for packed FP4 weights at decode sizes (``fp4_gemv``)."""
-    return gemv_kernel.fp4_gemv(a, rows, w, scale, block_expert, gather, m_pad, block_m)
+    return gemv_kernel.fp4_gemv(a, rows, w, scale, block_expert, gather, m_pad, block_m, blocks=blocks)
 
 
 def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scale: torch.Tensor | None = None,
-                        block_m: int = BLOCK_M):
-    """Plain-torch twin of the Triton grouped GEMM (same sorted layout), used off the GPU."""
+                        block_m: int = BLOCK_M, blocks: int | None = None):
+    """Plain-torch twin of the Triton grouped GEMM (same sorted layout), used off the GPU. Rows of blocks past
+    ``blocks`` stay 0 (the kernel leaves them unwritten)."""
     out = torch.zeros(m_pad, w.shape[1], dtype=a.dtype, device=a.device)
-    for b, e in enumerate(block_expert.tolist()):
+    for b, e in enumerate(block_expert.tolist()[:blocks]):
         if e < 0:
             continue
         sl = slice(b * block_m, (b + 1) * block_m)
@@ -304,17 +315,19 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         rows, pair_pos, block_expert = align(torch.where(keep, ids.clamp(0, E - 1), E), E + 1, bm)
         block_expert = torch.where(block_expert == E, -1, block_expert)  # the other ranks' pairs: skipped
     m_pad = rows.shape[0]
+    blocks = active_blocks(m_pad, bm, N * k)
     x = x.contiguous()
     gemm = _grouped_gemm if on(x) else _grouped_gemm_torch
     if scales is not None and on(x) and gemv_kernel.use_gemv(N * k, E, invariant):
         gemm = _gemv  # packed FP4 at decode sizes: a GEMV per row
     s1, s2, s3 = scales if scales is not None else (None, None, None)
-    g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm)  # [m_pad, I]
-    u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm)
+    g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
+    u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
     w_sorted = torch.zeros(m_pad, dtype=torch.float32, device=x.device)
     w_sorted[pair_pos] = weights.flatten().float()
-    h = swiglu_to(g, u, limit, w_sorted, x.dtype)  # routing weight before w2, as DeepSeek
-    y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm)  # [m_pad, d]
+    r = blocks * bm  # rows past the active blocks are padding: never computed, never read
+    h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
+    y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
     if on(x):  # one kernel; the lines below are its twin
         return _combine(y, pair_pos, keep, N, k)
     y = y[pair_pos]
