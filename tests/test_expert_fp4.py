@@ -181,14 +181,17 @@ def test_big_steps_take_row_blocks_of_64_unless_batch_invariant(monkeypatch):
 def test_only_the_first_active_blocks_hold_pairs(N, k, E, bm):
     """The grids stop at ``active_blocks``: every pair's row lies in the first min(m_pad / bm, pairs) row blocks
     and every later block is padding (-1), with other ranks' pairs (``keep``) laid out as one more expert too;
-    the grouped MoE's twin cut there equals the einsum of the experts."""
+    each pair's routing weight sits at its row (0 on padding rows); the grouped MoE's twin cut there equals the
+    einsum of the experts."""
     from dsv4.kernels.moe import active_blocks, align_torch, grouped_experts
 
     g = torch.Generator().manual_seed(N * E + k)
     ids = torch.rand(N, E, generator=g).topk(k, dim=1).indices
     keep = torch.rand(N, k, generator=g) < 0.5
     for experts, layout in ((E, ids), (E + 1, torch.where(keep, ids, E))):
-        rows, pair_pos, block_expert = align_torch(layout, experts, bm)
+        w = torch.rand(N, k, generator=g)
+        rows, pair_pos, block_expert, row_weight = align_torch(layout, experts, bm, w)
+        assert torch.equal(row_weight[pair_pos], w.flatten()) and (row_weight[rows < 0] == 0).all()
         n = active_blocks(rows.shape[0], bm, N * k)
         assert n < rows.shape[0] // bm or N * k >= rows.shape[0] // bm
         assert (block_expert[n:] == -1).all() and (rows[n * bm:] == -1).all() and (pair_pos < n * bm).all()

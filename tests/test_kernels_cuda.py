@@ -66,16 +66,20 @@ def test_fp8_cache_kernel_path_equals_torch_path():
 
 @pytest.mark.parametrize("N, k, E", [(1, 6, 32), (32, 6, 32), (64, 6, 33), (5, 2, 8), (3, 6, 7), (4, 8, 256)])
 def test_align_kernel_equals_twin(N, k, E):
-    """dsv4.kernels.moe's one-program align (small batches on CUDA) against align_torch, exactly."""
+    """dsv4.kernels.moe's one-program align (small batches on CUDA) against align_torch, exactly, with and
+    without the routing weights' table."""
     from dsv4.kernels.moe import _align, align_torch
 
     g = torch.Generator().manual_seed(N * E + k)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
-    ref = align_torch(ids, E)
-    _poison_allocator(8192, torch.float32)  # NaN bit patterns: an unwritten int64 differs
-    out = _align(ids.cuda(), E, 16)
-    for a, b in zip(out, ref):
-        assert torch.equal(a.cpu(), b)
+    weights = torch.rand(N, k, generator=g).to(torch.bfloat16)
+    for w in (None, weights):
+        ref = align_torch(ids, E, 16, w)
+        _poison_allocator(8192, torch.float32)  # NaN bit patterns: an unwritten int64 differs
+        out = _align(ids.cuda(), E, 16, None if w is None else w.cuda())
+        assert len(out) == len(ref) == (3 if w is None else 4)
+        for a, b in zip(out, ref):
+            assert torch.equal(a.cpu(), b)
 
 
 @pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])

@@ -60,16 +60,18 @@ def block_m_for(num_pairs: int, num_experts: int, invariant: bool = False, large
     return PREFILL_BLOCK_M if num_pairs >= PREFILL_BLOCK_M * num_experts else BLOCK_M
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, weights: torch.Tensor | None = None):
     """Device-side layout of the pairs. ids: [N, k] -> (rows [M_pad] token index or -1, pair_pos [N*k]
-    row of each pair, block_expert [M_pad/block_m] expert of each row block or -1).
+    row of each pair, block_expert [M_pad/block_m] expert of each row block or -1), and with ``weights``
+    [N, k] (the routing weights) a fourth table, row_weight [M_pad] float32: each pair's weight at its row, 0
+    on padding rows (what the SwiGLU multiplies by; one launch less than a scatter into zeros).
 
     Expert e's pairs fill rows seg_start[e] .. (padded to a multiple of block_m), in pair order. On CUDA a
     small batch takes one Triton program (``_align_kernel``); ``align_torch`` is its twin."""
     P = ids.numel()
     if on(ids) and P and _pow2(P) * _pow2(num_experts) <= ALIGN_KERNEL_MAX:
-        return _align(ids, num_experts, block_m)
-    return align_torch(ids, num_experts, block_m)
+        return _align(ids, num_experts, block_m, weights)
+    return align_torch(ids, num_experts, block_m, weights)
 
 
 ALIGN_KERNEL_MAX = 1 << 15  # pairs x experts (powers of two) one align program holds in registers
@@ -92,7 +94,7 @@ def _m_pad(P: int, num_experts: int, block_m: int) -> int:
     return (m_pad + block_m - 1) // block_m * block_m
 
 
-def align_torch(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+def align_torch(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, weights: torch.Tensor | None = None):
     N, k = ids.shape
     flat = ids.flatten()
     P = flat.numel()
@@ -113,20 +115,27 @@ def align_torch(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     block_start = torch.arange(0, m_pad, block_m, device=ids.device)
     block_expert = torch.searchsorted(seg_end, block_start, right=True)
     block_expert = torch.where(block_start < seg_end[-1], block_expert, -1)
-    return rows, pair_pos, block_expert
+    if weights is None:
+        return rows, pair_pos, block_expert
+    row_weight = torch.zeros(m_pad, dtype=torch.float32, device=ids.device)
+    row_weight[pos] = weights.flatten()[order].float()
+    return rows, pair_pos, block_expert, row_weight
 
 
-def _align(ids: torch.Tensor, num_experts: int, block_m: int):
+def _align(ids: torch.Tensor, num_experts: int, block_m: int, weights: torch.Tensor | None = None):
     N, k = ids.shape
     P = N * k
     m_pad = _m_pad(P, num_experts, block_m)
     rows = torch.empty(m_pad, dtype=torch.long, device=ids.device)
     pair_pos = torch.empty(P, dtype=torch.long, device=ids.device)
     block_expert = torch.empty(m_pad // block_m, dtype=torch.long, device=ids.device)
-    _align_kernel[(1,)](ids.contiguous(), rows, pair_pos, block_expert, P, k, num_experts, m_pad,
-                        PP=_pow2(P), EP=_pow2(num_experts), BM=block_m, MB=_pow2(m_pad // block_m),
+    has_w = weights is not None
+    row_weight = torch.empty(m_pad if has_w else 0, dtype=torch.float32, device=ids.device)
+    _align_kernel[(1,)](ids.contiguous(), rows, pair_pos, block_expert, weights.contiguous() if has_w else row_weight,
+                        row_weight, P, k, num_experts, m_pad, PP=_pow2(P), EP=_pow2(num_experts), BM=block_m,
+                        MB=_pow2(m_pad // block_m), HAS_W=has_w,
                         num_warps=8 if _pow2(P) * _pow2(num_experts) > 8192 else 4)
-    return rows, pair_pos, block_expert
+    return (rows, pair_pos, block_expert, row_weight) if has_w else (rows, pair_pos, block_expert)
 
 
 if HAVE_TRITON:
@@ -152,10 +161,10 @@ if HAVE_TRITON:
         tl.store(OUT + t * d + c, acc, mask=m)
 
     @triton.jit(do_not_specialize=["P", "m_pad"])
-    def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, P, k, E, m_pad, PP: tl.constexpr, EP: tl.constexpr,
-                      BM: tl.constexpr, MB: tl.constexpr):
+    def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, W, ROW_W, P, k, E, m_pad, PP: tl.constexpr,
+                      EP: tl.constexpr, BM: tl.constexpr, MB: tl.constexpr, HAS_W: tl.constexpr):
         """One program: counts per expert, padded segments, each pair's rank among its expert's pairs (pair
-        order), then the three tables of ``align``."""
+        order), then the tables of ``align`` (HAS_W: the pairs' weights W at their rows of ROW_W too)."""
         p = tl.arange(0, PP)
         mp = p < P
         ex = tl.arange(0, EP)
@@ -169,8 +178,12 @@ if HAVE_TRITON:
         pos = tl.sum(onehot * seg_start[None, :], axis=1) + rank
         r = tl.arange(0, MB * BM)  # every row starts empty
         tl.store(ROWS + r, tl.full([MB * BM], -1, tl.int64), mask=r < m_pad)
+        if HAS_W:
+            tl.store(ROW_W + r, tl.zeros([MB * BM], tl.float32), mask=r < m_pad)
         tl.debug_barrier()
         tl.store(ROWS + pos, (p // k).to(tl.int64), mask=mp)
+        if HAS_W:
+            tl.store(ROW_W + pos, tl.load(W + p, mask=mp, other=0.0).to(tl.float32), mask=mp)
         tl.store(PAIR_POS + p, pos.to(tl.int64), mask=mp)
         b = tl.arange(0, MB)
         start = b * BM
@@ -310,9 +323,10 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     E = w1.shape[0]
     bm = block_m_for(N * k, E, invariant, large=scales is None and x.element_size() == 2)
     if keep is None:
-        rows, pair_pos, block_expert = align(ids, E, bm)
+        rows, pair_pos, block_expert, w_sorted = align(ids, E, bm, weights)
     else:
-        rows, pair_pos, block_expert = align(torch.where(keep, ids.clamp(0, E - 1), E), E + 1, bm)
+        rows, pair_pos, block_expert, w_sorted = align(torch.where(keep, ids.clamp(0, E - 1), E), E + 1, bm,
+                                                       weights)
         block_expert = torch.where(block_expert == E, -1, block_expert)  # the other ranks' pairs: skipped
     m_pad = rows.shape[0]
     blocks = active_blocks(m_pad, bm, N * k)
@@ -323,8 +337,6 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     s1, s2, s3 = scales if scales is not None else (None, None, None)
     g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
     u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
-    w_sorted = torch.zeros(m_pad, dtype=torch.float32, device=x.device)
-    w_sorted[pair_pos] = weights.flatten().float()
     r = blocks * bm  # rows past the active blocks are padding: never computed, never read
     h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
