@@ -74,15 +74,18 @@ class LLM:
         device = cfg.device
         self._group = None
         self.mapping = ParallelMapping.from_engine_config(cfg)  # refuses what cannot run (pp > 1, ...)
-        if cfg.linear_format == "fp8" and self.mapping.world_size > 1:  # refused before any rank starts
-            raise EngineConfigError("linear_format fp8 runs on one device so far (its block scales are not split"
-                                    " across ranks); use linear_format dequantized with tensor_parallel_size,"
-                                    " moe_expert_parallel_size or enable_attention_dp")
         self.mapping.check_devices(device)
         if self.mapping.world_size > 1:
             from .parallel.driver import serve_torchrun, torchrun_rank
 
             self.mapping.check_model(model_config(model))
+            if cfg.linear_format == "fp8":  # refused before any rank starts
+                from .parallel.shard import check_fp8_shards
+
+                try:
+                    check_fp8_shards(model_config(model), self.mapping)
+                except ValueError as e:
+                    raise EngineConfigError(str(e)) from None
             if torchrun_rank() not in (None, 0):
                 serve_torchrun(device, self.mapping)  # ranks >= 1 under torchrun serve rank 0, then exit
         if cfg.moe_config.expert_format == "fp4":  # refused before any weight is read
@@ -114,7 +117,7 @@ class LLM:
                 self._group = start_group(self.mapping, device)
                 weakref.finalize(self, self._group.shutdown)
                 _, self.model = load_rank_model(model, self._group, self.mapping, torch_dtype, with_mtp, cfg.seed,
-                                                cfg.moe_config.expert_format)
+                                                cfg.moe_config.expert_format, cfg.linear_format)
         except Exception as e:
             if with_mtp and "mtp" in str(e).lower():
                 raise EngineConfigError(f"speculative_config asks for MTP but {model!r} cannot provide it: {e}."

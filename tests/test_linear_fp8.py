@@ -135,7 +135,41 @@ def test_fp8_products_follow_fixed_rows_and_groups():
 def test_bad_linear_formats_are_refused_before_loading():
     with pytest.raises(EngineConfigError, match="linear_format 'fp4': use dequantized or fp8"):
         LLM("tiny", warmup=False, linear_format="fp4")
-    with pytest.raises(EngineConfigError, match="linear_format fp8 runs on one device so far"):
-        LLM("tiny", warmup=False, tensor_parallel_size=2, linear_format="fp8")
     with pytest.raises(ValueError, match="linear_format 'int8'"):
         load_model("tiny", linear_format="int8")
+
+
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2, "moe_expert_parallel_size": 2},
+                                   {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2,
+                                    "enable_attention_dp": True}])
+def test_fp8_on_two_ranks_equals_one(fp8_checkpoint, split):
+    """FP8 linears split across two ranks (gloo) with their block scales: attention TP 2 halves wq_b, wo_a and
+    wo_b, each share inside one of tiny's scale blocks; attention DP keeps them whole. In float64, as the
+    multi-device matrix, so the ranks' partial sums cannot tip a greedy choice."""
+    kw = dict(warmup=False, dtype="fp64", linear_format="fp8")
+    one = _greedy(LLM(fp8_checkpoint, **kw))
+    with LLM(fp8_checkpoint, **split, **kw) as llm:
+        attn = llm.model.layers[0].attn
+        assert attn.wq_b.fp8 and attn.wo_a.fp8 and attn.wo_b.fp8
+        heads = 4 if split.get("enable_attention_dp") else 2  # tiny: 4 heads of 32
+        assert attn.wq_b.weight.shape[0] == heads * 32 and attn.wq_b.scale.shape == (1, 1)
+        assert _greedy(llm) == one
+
+
+def test_fp8_shares_that_cut_a_scale_block_are_refused():
+    """A share of rows starting inside a 128-block and reaching past it would need two blocks' scales: refused
+    before any rank starts, naming the linear; shares on block boundaries or inside one block take theirs."""
+    import dataclasses
+
+    from dsv4.parallel.mapping import ParallelMapping
+    from dsv4.parallel.shard import check_fp8_shards, fp8_share
+
+    assert fp8_share(slice(256, 512)) == slice(2, 4) and fp8_share(slice(64, 128)) == slice(0, 1)
+    assert fp8_share(slice(128, 200)) == slice(1, 2)
+    with pytest.raises(ValueError, match=r"wq_b's share \[192, 384\) of a rank cuts a 128-wide scale block"):
+        fp8_share(slice(192, 384), "wq_b")
+    cfg = get_preset("tiny")
+    m = ParallelMapping(world_size=2, tp=2)
+    check_fp8_shards(cfg, m)  # tiny: every share inside one block
+    with pytest.raises(ValueError, match="wq_b's share"):
+        check_fp8_shards(dataclasses.replace(cfg, head_dim=96), m)

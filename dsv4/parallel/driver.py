@@ -61,12 +61,12 @@ def start_group(mapping: ParallelMapping, device: str) -> RankGroup:
 
 
 def load_rank_model(model: str, group: RankGroup, mapping: ParallelMapping, dtype, with_mtp, seed,
-                    expert_format: str = "dequantized"):
+                    expert_format: str = "dequantized", linear_format: str = "dequantized"):
     """(config, this rank's model shard). Only the rank's routed experts are read from a checkpoint."""
     device = group.device_of_rank()
     m = mapping.with_rank(group.rank)
     cfg, sd, has_mtp = load_state(model, device, dtype, with_mtp, seed, experts=rank_experts(model_config(model), m),
-                                  expert_format=expert_format)
+                                  expert_format=expert_format, linear_format=linear_format)
     return cfg, build_shard(cfg, sd, has_mtp, m, group.collectives, device)
 
 
@@ -89,7 +89,7 @@ def serve(group: RankGroup) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     r = setup.resolved
     _, model = load_rank_model(setup.model, group, setup.mapping, r.dtype, setup.with_mtp, r.engine.seed,
-                               r.engine.moe_config.expert_format)
+                               r.engine.moe_config.expert_format, r.engine.linear_format)
     device = group.device_of_rank()
     storage = make_storage(r, device)
     runner = LaneRunner(model, storage, device, r.engine.attention_backend, r.engine.batch_invariant)

@@ -7,6 +7,10 @@ replicated: the shared K=V head, ``wq_a`` / ``q_norm``, the compressors and the 
 shared expert, embedding, head, norms, mHC, and the MTP module's projections. The MTP block is split like
 the target blocks. The model code is unchanged: ``Attention`` reads its head count from ``wq_b``; the
 split modules below replace ``wo_b`` and ``experts`` and carry the collectives.
+
+FP8 linears (``linear_format: fp8``) are split with their block scales: a share of rows (or of ``wo_b``'s
+columns) takes the scale blocks it lies in, which is exact when the share starts on a 128 boundary or lies
+inside one block (``fp8_share``); other shares are refused before any rank starts (``check_fp8_shards``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
+from ..kernels.fp8_linear import BLOCK as FP8_BLOCK
 from ..model.expert_weights import StackedExperts, adopt_layout, check_fp4_shapes, is_packed
+from ..model.linear_weights import adopt_linear_layout
 from ..model.model import DeepseekV4
 from ..model.ops import swiglu_to
 from ..model.rows import Linear, linear
@@ -27,10 +33,10 @@ from .comm import Collectives
 from .mapping import ParallelMapping
 
 _BLOCK = r"^(layers\.\d+|mtp\.0)\."
-_WQ_B = re.compile(_BLOCK + r"attn\.wq_b\.weight$")
+_WQ_B = re.compile(_BLOCK + r"attn\.wq_b\.(weight|scale)$")
 _SINK = re.compile(_BLOCK + r"attn\.attn_sink$")
-_WO_A = re.compile(_BLOCK + r"attn\.wo_a\.weight$")
-_WO_B = re.compile(_BLOCK + r"attn\.wo_b\.weight$")
+_WO_A = re.compile(_BLOCK + r"attn\.wo_a\.(weight|scale)$")
+_WO_B = re.compile(_BLOCK + r"attn\.wo_b\.(weight|scale)$")
 _W13 = re.compile(_BLOCK + r"ffn\.experts\.w[13](_scale)?$")  # their rows: I
 _W2 = re.compile(_BLOCK + r"ffn\.experts\.w2(_scale)?$")  # their columns: I (bytes or scale blocks when packed)
 
@@ -38,6 +44,34 @@ _W2 = re.compile(_BLOCK + r"ffn\.experts\.w2(_scale)?$")  # their columns: I (by
 def _share(n: int, parts: int, index: int) -> slice:
     size = n // parts
     return slice(index * size, (index + 1) * size)
+
+
+def fp8_share(share: slice, name: str = "") -> slice:
+    """The scale blocks (of FP8_BLOCK rows or columns) of a share of an FP8 weight's rows or columns. Exact
+    only when the share starts on a block boundary or lies inside one block: otherwise one of its blocks would
+    need the scales of two (a ValueError naming the linear)."""
+    start, stop = share.start, share.stop
+    if start % FP8_BLOCK and start // FP8_BLOCK != (stop - 1) // FP8_BLOCK:
+        raise ValueError(f"linear_format fp8 across ranks: {name or 'a linear'}'s share [{start}, {stop}) of a rank "
+                         f"cuts a {FP8_BLOCK}-wide scale block; use a tensor_parallel_size whose shares start on "
+                         f"multiples of {FP8_BLOCK}, or linear_format dequantized")
+    return slice(start // FP8_BLOCK, -(-stop // FP8_BLOCK))
+
+
+def _attention_shares(cfg: ModelConfig, m: ParallelMapping) -> dict[str, slice]:
+    """This rank's rows of wq_b and wo_a and columns of wo_b (attention TP)."""
+    t, tr = m.attn_tp, (m.rank if m.attn_tp > 1 else 0)
+    heads, groups, o = _share(cfg.num_heads, t, tr), _share(cfg.o_groups, t, tr), cfg.o_lora_rank
+    return {"wq_b": slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim),
+            "wo_a": slice(groups.start * o, groups.stop * o), "wo_b": slice(groups.start * o, groups.stop * o)}
+
+
+def check_fp8_shards(cfg: ModelConfig, m: ParallelMapping) -> None:
+    """Refuse (ValueError) an attention split whose FP8 shares would cut scale blocks, for every rank."""
+    if m.attn_tp > 1:
+        for r in range(m.attn_tp):
+            for name, share in _attention_shares(cfg, m.with_rank(r)).items():
+                fp8_share(share, name)
 
 
 def rank_experts(cfg: ModelConfig, m: ParallelMapping) -> range:
@@ -58,22 +92,22 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelM
     """This rank's tensors (copies of the slices, so the full tensors can be freed). The routed experts may
     come with every expert ([E, ...]) or, as ``load_state(..., experts=rank_experts(...))`` reads them, with
     this rank's only ([E / ep, ...])."""
-    H, D, g, o = cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
     t, tr = m.attn_tp, (m.rank if m.attn_tp > 1 else 0)
-    heads = _share(H, t, tr)
+    heads = _share(cfg.num_heads, t, tr)
+    att = _attention_shares(cfg, m)
     inter = _share(cfg.moe_inter_dim, m.moe_tp, m.moe_tp_rank)
     if is_packed(sd):
         check_fp4_shapes(cfg.hidden_size, inter.stop - inter.start, f" / moe_tp ({m.moe_tp})")
     out = {}
     for name, x in sd.items():
-        if t > 1 and _WQ_B.match(name):  # [H*D, q]: head h is rows h*D .. h*D+D-1
-            x = x[heads.start * D:heads.stop * D]
+        if t > 1 and (hit := _WQ_B.match(name) or _WO_A.match(name) or _WO_B.match(name)):
+            # wq_b [H*D, q]: head h is rows h*D .. h*D+D-1; wo_a [g*o, H*D/g]: group i is rows i*o .. i*o+o-1
+            # (the heads of group i); wo_b [d, g*o]: input columns follow the groups. FP8: the scales' blocks
+            kind = name.split(".")[-2]
+            share = att[kind] if hit.group(2) == "weight" else fp8_share(att[kind], name)
+            x = x[:, share] if kind == "wo_b" else x[share]
         elif t > 1 and _SINK.match(name):  # [H]
             x = x[heads]
-        elif t > 1 and _WO_A.match(name):  # [g*o, H*D/g]: group i is rows i*o .. i*o+o-1, heads of group i
-            x = x[_share(g, t, tr).start * o:_share(g, t, tr).stop * o]
-        elif t > 1 and _WO_B.match(name):  # [d, g*o]: input columns follow the groups
-            x = x[:, _share(g, t, tr).start * o:_share(g, t, tr).stop * o]
         elif _W13.match(name):  # [E, I, d]
             x = x[_expert_rows(x, cfg, m), inter]
         elif _W2.match(name):  # [E, d, I]; packed: [E, d, I/2] bytes, [E, d, I/32] scales
@@ -94,7 +128,7 @@ class RowParallelLinear(Linear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(linear(x, self.weight))
+        return self.comm.all_reduce(linear(x, self.weight, self.weight_scale))
 
 
 class ParallelExperts(StackedExperts):
@@ -192,5 +226,6 @@ def build_shard(cfg: ModelConfig, full_sd: dict[str, torch.Tensor], has_mtp: boo
         model = DeepseekV4(cfg, with_mtp=has_mtp)
         _parallelize(model, cfg, m, comm)
         adopt_layout(model, sd)
+        adopt_linear_layout(model, sd)
     model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True, assign=True)
     return model.finish_loading(device)  # the fused projections are replicated ones
