@@ -78,12 +78,13 @@ class LLM:
         if self.mapping.world_size > 1:
             from .parallel.driver import serve_torchrun, torchrun_rank
 
-            self.mapping.check_model(model_config(model))
+            mc = model_config(model)
+            self.mapping.check_model(mc)
             if cfg.linear_format == "fp8":  # refused before any rank starts
                 from .parallel.shard import check_fp8_shards
 
                 try:
-                    check_fp8_shards(model_config(model), self.mapping)
+                    check_fp8_shards(mc, self.mapping)
                 except ValueError as e:
                     raise EngineConfigError(str(e)) from None
             if torchrun_rank() not in (None, 0):

@@ -216,3 +216,17 @@ def test_detokenize_false_gives_ids_only(tiny_dir, tmp_path):
     assert with_text.outputs[0].token_ids == ids_only.outputs[0].token_ids
     assert with_text.outputs[0].text == llm.tokenizer.decode(with_text.outputs[0].token_ids)
     assert ids_only.outputs[0].text is None
+
+
+def test_token_ids_of_any_integer_type_equal_plain_ints():
+    """The prompt check's fast test takes plain ints; other integers (numpy's) go through the general one and
+    give the same tokens; a bool among them is still refused."""
+    import numpy as np
+
+    llm = LLM("tiny", warmup=False)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    ids = [5, 17, 3, 99, 42]
+    plain = llm.generate([ids], sp)[0].outputs[0].token_ids
+    assert llm.generate([[np.int64(t) for t in ids]], sp)[0].outputs[0].token_ids == plain
+    with pytest.raises(TypeError, match="prompt 0"):
+        llm.generate([[np.int64(5), True]], sp)

@@ -193,7 +193,6 @@ def test_only_the_first_active_blocks_hold_pairs(N, k, E, bm):
         rows, pair_pos, block_expert, row_weight = align_torch(layout, experts, bm, w)
         assert torch.equal(row_weight[pair_pos], w.flatten()) and (row_weight[rows < 0] == 0).all()
         n = active_blocks(rows.shape[0], bm, N * k)
-        assert n < rows.shape[0] // bm or N * k >= rows.shape[0] // bm
         assert (block_expert[n:] == -1).all() and (rows[n * bm:] == -1).all() and (pair_pos < n * bm).all()
     if E > 64 and N > 3:
         return

@@ -27,16 +27,16 @@ from ..model.expert_weights import StackedExperts, adopt_layout, check_fp4_shape
 from ..model.linear_weights import adopt_linear_layout
 from ..model.model import DeepseekV4
 from ..model.ops import swiglu_to
-from ..model.rows import Linear, linear
+from ..model.rows import Linear
 from ..model.rows import active as rows_active
 from .comm import Collectives
 from .mapping import ParallelMapping
 
 _BLOCK = r"^(layers\.\d+|mtp\.0)\."
-_WQ_B = re.compile(_BLOCK + r"attn\.wq_b\.(weight|scale)$")
+# wq_b [H*D, q]: head h is rows h*D .. h*D+D-1; wo_a [g*o, H*D/g]: group i is rows i*o .. i*o+o-1 (the heads
+# of group i); wo_b [d, g*o]: input columns follow the groups. FP8 linears: their scales' blocks too
+_ATTN_SPLIT = re.compile(_BLOCK + r"attn\.(wq_b|wo_a|wo_b)\.(weight|scale)$")
 _SINK = re.compile(_BLOCK + r"attn\.attn_sink$")
-_WO_A = re.compile(_BLOCK + r"attn\.wo_a\.(weight|scale)$")
-_WO_B = re.compile(_BLOCK + r"attn\.wo_b\.(weight|scale)$")
 _W13 = re.compile(_BLOCK + r"ffn\.experts\.w[13](_scale)?$")  # their rows: I
 _W2 = re.compile(_BLOCK + r"ffn\.experts\.w2(_scale)?$")  # their columns: I (bytes or scale blocks when packed)
 
@@ -62,8 +62,9 @@ def _attention_shares(cfg: ModelConfig, m: ParallelMapping) -> dict[str, slice]:
     """This rank's rows of wq_b and wo_a and columns of wo_b (attention TP)."""
     t, tr = m.attn_tp, (m.rank if m.attn_tp > 1 else 0)
     heads, groups, o = _share(cfg.num_heads, t, tr), _share(cfg.o_groups, t, tr), cfg.o_lora_rank
-    return {"wq_b": slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim),
-            "wo_a": slice(groups.start * o, groups.stop * o), "wo_b": slice(groups.start * o, groups.stop * o)}
+    group_rows = slice(groups.start * o, groups.stop * o)
+    return {"wq_b": slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim), "wo_a": group_rows,
+            "wo_b": group_rows}
 
 
 def check_fp8_shards(cfg: ModelConfig, m: ParallelMapping) -> None:
@@ -100,11 +101,9 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, m: ParallelM
         check_fp4_shapes(cfg.hidden_size, inter.stop - inter.start, f" / moe_tp ({m.moe_tp})")
     out = {}
     for name, x in sd.items():
-        if t > 1 and (hit := _WQ_B.match(name) or _WO_A.match(name) or _WO_B.match(name)):
-            # wq_b [H*D, q]: head h is rows h*D .. h*D+D-1; wo_a [g*o, H*D/g]: group i is rows i*o .. i*o+o-1
-            # (the heads of group i); wo_b [d, g*o]: input columns follow the groups. FP8: the scales' blocks
-            kind = name.split(".")[-2]
-            share = att[kind] if hit.group(2) == "weight" else fp8_share(att[kind], name)
+        if t > 1 and (hit := _ATTN_SPLIT.match(name)):
+            kind = hit.group(2)
+            share = att[kind] if hit.group(3) == "weight" else fp8_share(att[kind], name)
             x = x[:, share] if kind == "wo_b" else x[share]
         elif t > 1 and _SINK.match(name):  # [H]
             x = x[heads]
@@ -128,7 +127,7 @@ class RowParallelLinear(Linear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(linear(x, self.weight, self.weight_scale))
+        return self.comm.all_reduce(super().forward(x))
 
 
 class ParallelExperts(StackedExperts):
