@@ -74,10 +74,15 @@ def main():
     ap.add_argument("--gemv-max-rows", type=float, default=None,
                     help="packed FP4 experts: the GEMV path up to this many (token, expert) pairs per expert on"
                          f" average (default {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT})")
+    ap.add_argument("--separate-gate-up", action="store_true",
+                    help="packed FP4 experts at decode sizes: w1, w3 and the SwiGLU as three launches (the A/B of"
+                         " the fused first half)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     if args.gemv_max_rows is not None:
         fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
+    if args.separate_gate_up:
+        fp4_gemv.GATE_UP_FUSED = False
     cfg = get_preset(args.preset)
     bw = copy_bandwidth()
     llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
@@ -125,6 +130,7 @@ def main():
     what = (f"{args.preset}, bf16, routed experts {args.expert_format} ({expert_elt:.3f} bytes per weight as"
             f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts"
             + (f", FP4 GEMV up to {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT:g} pairs per expert"
+               + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
                if args.expert_format == "fp4" else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"

@@ -4,7 +4,9 @@
 moe_inter_dim 2048, 6 experts per token) with 128 experts (flash-E128). Checks each against the twin (the
 weights decoded, one bf16 GEMM) first. Every kernel's grid stops at the row blocks that can hold pairs
 (``moe.active_blocks``, as in the engine); the "all blocks" rows launch a program per row block of the layout,
-as before. Prints a short table; ``--sweep`` also tries GEMV tiles.
+as before. The gate-up rows time the experts' first half: w1, w3 and the SwiGLU fused in one GEMV launch
+(``fp4_gemv_gate_up``) against the two GEMVs and the SwiGLU kernel. Prints short tables; ``--sweep`` also tries
+GEMV tiles.
 
     python3 bench/fp4_gemv_gpu.py [--batch 1 32 --experts 128 --sweep]
 """
@@ -17,8 +19,10 @@ import torch
 from common import copy_bandwidth, graph_us, report, table
 
 from dsv4.checkpoint.quant import pack_fp4_stacked
-from dsv4.kernels.fp4_gemv import GEMV_CONFIG, fp4_gemv
-from dsv4.kernels.moe import GEMM_CONFIG_FP4, _grouped_gemm, _grouped_gemm_torch, active_blocks, align
+from dsv4.kernels.fp4_gemv import GEMV_CONFIG, GEMV_CONFIG_GATE_UP, fp4_gemv, fp4_gemv_gate_up, gate_up_config
+from dsv4.kernels.moe import (GEMM_CONFIG_FP4, _grouped_gemm, _grouped_gemm_torch, active_blocks, align,
+                              gate_up_torch)
+from dsv4.kernels.swiglu import swiglu_to
 
 COPIES = 6
 
@@ -28,6 +32,7 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--gate-up-only", action="store_true", help="only the first half's table (with --sweep: every tile)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     E, k, d, I = a.experts, 6, 4096, 2048
@@ -53,7 +58,7 @@ def main():
                                          (128, 256, 8), (32, 512, 4), (64, 512, 8)) for st in (2, 3, 4)]
         tc_configs = [c for i, c in enumerate(tc_configs) if c not in tc_configs[:i]]
     rows = []
-    for B in a.batch:
+    for B in [] if a.gate_up_only else a.batch:
         ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()
         r, _, be = align(ids, E)
         m_pad = r.shape[0]
@@ -107,11 +112,61 @@ def main():
             for label, t in (("bf16 grouped GEMM (peer)", t_bf16), ("bf16 grouped GEMM, all blocks", t_bf16_all)):
                 rows.append([B, name, label, "default", round(t, 1),
                              f"{distinct * I * d * 2 / (t * 1e-6) / bw * 100:.0f}%", "", f"{t_bf16 / t:.2f}x", ""])
+    gu_rows = []
+    gu_configs = [None]  # the engine's choice (gate_up_config)
+    if a.sweep:
+        gu_configs += [dict(GEMV_CONFIG_GATE_UP, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                       for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8)]
+        gu_configs = [c for i, c in enumerate(gu_configs) if c not in gu_configs[:i]]
+    for B in a.batch:
+        ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()
+        wts = torch.rand(B, k, device="cuda", generator=g)
+        r, _, be, rw = align(ids, E, 16, wts)
+        m_pad = r.shape[0]
+        nb = active_blocks(m_pad, 16, B * k)
+        valid = r[:nb * 16] >= 0
+        x = torch.randn(B, d, device="cuda", generator=g, dtype=torch.bfloat16)
+        w13 = [(packed["w1"][i], packed["w1"][(i + 1) % COPIES]) for i in range(COPIES)]
+        (c1, s1), (c3, s3) = w13[0]
+        ref = gate_up_torch(x, r, c1, s1, c3, s3, be, m_pad, 16, 10.0, rw, nb)[valid].float()
+        nbytes = 2 * ids.unique().numel() * I * d * (0.5 + 1 / 32)
+
+        def fused(c):
+            return lambda i: fp4_gemv_gate_up(x, r, *w13[i][0], *w13[i][1], be, m_pad, 16, 10.0, rw, c, nb)
+
+        def separate(i):
+            (p1, q1), (p3, q3) = w13[i]
+            gg = fp4_gemv(x, r, p1, q1, be, True, m_pad, 16, blocks=nb)
+            uu = fp4_gemv(x, r, p3, q3, be, True, m_pad, 16, blocks=nb)
+            return swiglu_to(gg[:nb * 16], uu[:nb * 16], 10.0, rw[:nb * 16], x.dtype)
+
+        t_sep = graph_us(separate, COPIES)
+        err_sep = ((separate(0)[valid].float() - ref).norm() / ref.norm()).item()
+        timed_cfgs = []
+        for c in gu_configs:
+            try:
+                err = ((fused(c)(0)[valid].float() - ref).norm() / ref.norm()).item()
+                timed_cfgs.append((graph_us(fused(c), COPIES), c, err))
+            except Exception as exc:  # a tile that does not compile: skip it
+                print("skip", c, type(exc).__name__, str(exc)[:80])
+        picks = [("fused (default)", timed_cfgs[0])]
+        if a.sweep:
+            picks.append(("fused, best of sweep", min(timed_cfgs, key=lambda t: t[0])))
+        if a.sweep and a.gate_up_only:
+            picks += [("fused", t) for t in timed_cfgs[1:]]
+        for label, (t, c, err) in picks + [("w1 GEMV + w3 GEMV + SwiGLU (3 launches)", (t_sep, GEMV_CONFIG, err_sep))]:
+            gu_rows.append([B, label, "/".join(str(v) for v in (c or gate_up_config(nb, E)).values()), round(t, 1),
+                            f"{nbytes / (t * 1e-6) / bw * 100:.0f}%", f"{t_sep / t:.2f}x", f"{err:.1e}"])
     heads = ["batch", "GEMM", "kernel", "config (GEMV: " + "/".join(GEMV_CONFIG) + "; TC: "
              + "/".join(GEMM_CONFIG_FP4) + ")", "GPU us", "of copy bw (FP4 bytes; bf16: its own)",
              "vs fp4 TC default", "vs bf16", "rel err vs twin"]
-    report(f"Packed FP4 experts at decode sizes, GEMV vs tensor-core GEMM, {E} experts", table(heads, rows),
-           a.append, notes=f"copy bandwidth {bw / 1e12:.2f} TB/s; bench/fp4_gemv_gpu.py")
+    if rows:
+        report(f"Packed FP4 experts at decode sizes, GEMV vs tensor-core GEMM, {E} experts", table(heads, rows),
+               a.append, notes=f"copy bandwidth {bw / 1e12:.2f} TB/s; bench/fp4_gemv_gpu.py")
+    report(f"Packed FP4 experts' first half (w1, w3, SwiGLU), {E} experts",
+           table(["batch", "kernel", "config (" + "/".join(GEMV_CONFIG_GATE_UP) + ")", "GPU us",
+                  "of copy bw (w1 + w3 FP4 bytes)", "vs 3 launches", "rel err vs twin"], gu_rows),
+           a.append, notes="bench/fp4_gemv_gpu.py")
 
 
 if __name__ == "__main__":

@@ -582,7 +582,8 @@ def test_compressor_rows_kernel_matches_twin(dtype, ratio, C):
 @pytest.mark.parametrize("N, k", [(1, 6), (33, 6), (7, 2)])
 def test_expert_combine_kernel_matches_twin(N, k):
     """The grouped experts' combine (each token's sum over its pairs' rows, kept pairs only) against the
-    torch lines on the CPU; the output buffer is poisoned first."""
+    torch lines on the CPU; the output buffer is poisoned first; with the shared expert's output added, the
+    same bits as adding it after."""
     from dsv4.kernels.moe import _combine, align_torch
 
     E, d = 32, 4096
@@ -597,6 +598,12 @@ def test_expert_combine_kernel_matches_twin(N, k):
         _poison_allocator(N * d, torch.float32)
         out = _combine(y.cuda(), pair_pos.cuda(), None if kp is None else kp.cuda(), N, k)
         assert torch.isfinite(out).all() and rel_err(out.cpu(), ref) < 1e-6
+        # with the shared expert's output added and the result rounded in the same kernel: the bits of the
+        # fp32 sum plus it, rounded after (what MoE.forward did in two torch ops)
+        shared = torch.randn(N, d, generator=gen).to(torch.bfloat16)
+        fused = _combine(y.cuda(), pair_pos.cuda(), None if kp is None else kp.cuda(), N, k, shared.cuda(),
+                         torch.bfloat16)
+        assert fused.dtype == torch.bfloat16 and torch.equal(fused, (out + shared.cuda()).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("R, V", [(1, 129280), (33, 129280), (3, 640)])

@@ -12,6 +12,11 @@ once, after the K loop. A block's third and later rows read its expert's tiles a
 Rows of the block past its valid ones are not written (nothing reads them: the combine and the SwiGLU's valid
 rows take only valid rows). The twin is ``moe._grouped_gemm_torch`` (the weights decoded by ``fp4.unpack_fp4``).
 
+``fp4_gemv_gate_up`` runs the experts' first half, w1 and w3 of the same rows and the SwiGLU with the routing
+weight, as one launch: each program decodes both weights' tiles against one load of the row's inputs and applies
+the SwiGLU to the float32 sums (the separate path rounds the two products to the activations' dtype first). Its
+twin is ``moe.gate_up_torch``.
+
 ``moe.grouped_experts`` takes this path when the step's (token, choice) pairs average at most
 GEMV_MAX_ROWS_PER_EXPERT per expert, and never under batch invariance (one path whatever the batch).
 """
@@ -22,7 +27,21 @@ import torch
 from . import HAVE_TRITON
 
 GEMV_MAX_ROWS_PER_EXPERT = 1  # pairs per expert, on average, up to which the GEMV path runs
-GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # BLOCK_K: 32s
+# The single GEMV runs w2 (w1 and w3 run fused, below): 16/512 took 18.2 / 108 / 376 us at batch 1 / 8 / 32 of
+# 128 experts on an H100, 32/256 19.9 / 122 / 398 (bench/fp4_gemv_gpu.py --sweep, BENCHMARKS.md)
+GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # BLOCK_K: 32s
+# w1 and w3 in one program hold two weights' decoded tiles (at BLOCK_N 32 and BLOCK_K 256, 255 registers a thread
+# compiled for sm_90; at 16, 128). Measured on an H100 with 128 experts: 8/512 best at batch 1 (33.4 us against
+# 38.9 for the three launches), 16/256 from batch 8 on (204 against 219 at 8, 386 against 404 at 16)
+GEMV_CONFIG_GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+GEMV_CONFIG_GATE_UP_FEW = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # blocks <= experts / 4
+GATE_UP_FUSED = True  # w1, w3 and the SwiGLU as one launch at decode sizes (bench/decode_floor.py's A/B: False)
+
+
+def gate_up_config(blocks: int, num_experts: int) -> dict:
+    """The fused first half's tile for a launch over ``blocks`` row blocks (``moe.active_blocks``: one per pair
+    at decode sizes, 6 at batch 1 of Flash)."""
+    return GEMV_CONFIG_GATE_UP_FEW if 4 * blocks <= num_experts else GEMV_CONFIG_GATE_UP
 
 
 def use_gemv(num_pairs: int, num_experts: int, invariant: bool) -> bool:
@@ -42,6 +61,8 @@ def use_asm(t: torch.Tensor) -> bool:
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .swiglu import swiglu_f32
 
     @triton.jit
     def e2m1_f16(nib):
@@ -136,25 +157,53 @@ if HAVE_TRITON:
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def _word_dot(a, k0, K, o, sc, BLOCK_N: tl.constexpr, BW: tl.constexpr, EVEN_K: tl.constexpr):
-        """One row's inputs k0 .. k0 + 8 BW against the decoded words ``o`` (8 x [BLOCK_N, BW]): the sum per
-        group of 32 inputs (4 words), scaled by ``sc`` -> [BLOCK_N, BW / 4] (summed across groups, and so across
-        threads, once after the K loop)."""
+    def _row_inputs(a, k0, K, BW: tl.constexpr, EVEN_K: tl.constexpr):
+        """One row's inputs k0 .. k0 + 8 BW in float32, as the 8 strided runs ``e2m1_word``'s tiles take."""
         k = k0 + tl.arange(0, 8 * BW)
         x = (tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)).to(tl.float32)
-        x = split8(tl.reshape(x, [BW, 2, 2, 2]))
+        return split8(tl.reshape(x, [BW, 2, 2, 2]))
+
+    @triton.jit
+    def _weight_tile(w_rows, s_rows, k0, K, i, g, n_ok, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+        """The codes of inputs k0 .. k0 + BLOCK_K for BLOCK_N outputs, decoded (8 tiles [BLOCK_N, BW], 2**-14
+        of the values) and the group scales [BLOCK_N, G] that undo the 2**-14."""
+        if EVEN_K:
+            words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None], other=0)
+            sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None], other=0)
+        else:  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
+            words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None] & (k0 + 8 * i < K)[None, :], other=0)
+            sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :], other=0)
+        sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; 0 -> 0
+        return e2m1_word(words, ASM), sc
+
+    @triton.jit
+    def _word_dot(x, o, sc, BLOCK_N: tl.constexpr, BW: tl.constexpr):
+        """A row's split inputs ``x`` against the decoded words ``o``: the sum per group of 32 inputs (4 words),
+        scaled by ``sc`` -> [BLOCK_N, BW / 4] (summed across groups, and so across threads, after the K loop)."""
         p = o[0] * x[0][None, :] + o[1] * x[1][None, :] + o[2] * x[2][None, :] + o[3] * x[3][None, :]
         p += o[4] * x[4][None, :] + o[5] * x[5][None, :] + o[6] * x[6][None, :] + o[7] * x[7][None, :]
         return tl.sum(tl.reshape(p, [BLOCK_N, BW // 4, 4]), axis=2) * sc
 
     @triton.jit
-    def _fp4_gemv_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, S, stride_se, stride_sn, C, stride_cm,
-                         BLOCK_EXPERT, N, K, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    def _gemv_out(acc, accu, ROW_W, row, limit, GATE_UP: tl.constexpr, CLAMP: tl.constexpr):
+        """A row's outputs from its group sums: the product, or with GATE_UP the SwiGLU of the gate (``acc``) and
+        up (``accu``) products times the row's routing weight, in float32."""
+        y = tl.sum(acc, axis=1)
+        if GATE_UP:
+            y = swiglu_f32(y, tl.sum(accu, axis=1), limit, CLAMP) * tl.load(ROW_W + row)
+        return y
+
+    @triton.jit
+    def _fp4_gemv_kernel(A, stride_am, ROWS, W, W3, stride_we, stride_wn, S, S3, stride_se, stride_sn, C, stride_cm,
+                         BLOCK_EXPERT, ROW_W, limit, N, K, GATHER: tl.constexpr, GATE_UP: tl.constexpr,
+                         CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, ASM: tl.constexpr):
         """C[r] = A[row r] @ decode(W[e]).T for each valid row r of row block pid 0 (expert e), outputs of
         tile pid 1. W: the packed e2m1 bytes [E, N, K/2] read as int32 words [E, N, K/8]; S: their scale bytes
-        [E, N, K/32]. EVEN_K: K is a multiple of BLOCK_K, so no load is masked along K (masks that vary along
-        the words keep the loads scalar)."""
+        [E, N, K/32]. GATE_UP: W3, S3 (w3, the same shape) too, and C[r] = SwiGLU(A W1, A W3) times ROW_W[r]
+        (``swiglu.swiglu_f32``, the clamp at ``limit`` with CLAMP), from the float32 sums: both products of a
+        row share its input loads, one launch instead of three. EVEN_K: K is a multiple of BLOCK_K, so no
+        load is masked along K (masks that vary along the words keep the loads scalar)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
@@ -165,8 +214,8 @@ if HAVE_TRITON:
         n_ok = offs_n < N
         i = tl.arange(0, BW)
         g = tl.arange(0, G)
-        w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        s_rows = S + e.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+        w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        s_off = e.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
         first = pid_m * BLOCK_M
         count = tl.sum((tl.load(ROWS + first + tl.arange(0, BLOCK_M)) >= 0).to(tl.int32), axis=0)
         for r in range(0, count, 2):  # two rows at a time: each decoded tile serves both
@@ -181,24 +230,49 @@ if HAVE_TRITON:
             a1 = A + src1.to(tl.int64) * stride_am
             acc0 = tl.zeros([BLOCK_N, G], dtype=tl.float32)
             acc1 = tl.zeros([BLOCK_N, G], dtype=tl.float32)
+            accu0 = tl.zeros([BLOCK_N, G], dtype=tl.float32)  # GATE_UP: the up products
+            accu1 = tl.zeros([BLOCK_N, G], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None], other=0)
-                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None], other=0)
-                else:  # K is a multiple of 32 (expert_weights.check_fp4_shapes)
-                    words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None] & (k0 + 8 * i < K)[None, :],
-                                    other=0)
-                    sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :],
-                                 other=0)
-                o = e2m1_word(words, ASM)
-                sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; 0 -> 0
-                acc0 += _word_dot(a0, k0, K, o, sc, BLOCK_N, BW, EVEN_K)
+                o, sc = _weight_tile(W + w_off, S + s_off, k0, K, i, g, n_ok, EVEN_K, ASM)
+                x0 = _row_inputs(a0, k0, K, BW, EVEN_K)
+                acc0 += _word_dot(x0, o, sc, BLOCK_N, BW)
+                if GATE_UP:
+                    o3, sc3 = _weight_tile(W3 + w_off, S3 + s_off, k0, K, i, g, n_ok, EVEN_K, ASM)
+                    accu0 += _word_dot(x0, o3, sc3, BLOCK_N, BW)
                 if two:
-                    acc1 += _word_dot(a1, k0, K, o, sc, BLOCK_N, BW, EVEN_K)
-            tl.store(C + (first + r).to(tl.int64) * stride_cm + offs_n, tl.sum(acc0, axis=1).to(C.dtype.element_ty),
-                     mask=n_ok)
-            tl.store(C + (first + r + 1).to(tl.int64) * stride_cm + offs_n,
-                     tl.sum(acc1, axis=1).to(C.dtype.element_ty), mask=n_ok & two)
+                    x1 = _row_inputs(a1, k0, K, BW, EVEN_K)
+                    acc1 += _word_dot(x1, o, sc, BLOCK_N, BW)
+                    if GATE_UP:
+                        accu1 += _word_dot(x1, o3, sc3, BLOCK_N, BW)
+            y0 = _gemv_out(acc0, accu0, ROW_W, first + r, limit, GATE_UP, CLAMP)
+            tl.store(C + (first + r).to(tl.int64) * stride_cm + offs_n, y0.to(C.dtype.element_ty), mask=n_ok)
+            if two:
+                y1 = _gemv_out(acc1, accu1, ROW_W, first + r + 1, limit, GATE_UP, CLAMP)
+                tl.store(C + (first + r + 1).to(tl.int64) * stride_cm + offs_n, y1.to(C.dtype.element_ty),
+                         mask=n_ok)
+
+    def _launch(a, rows, w, scale, block_expert, gather: bool, m_pad: int, block_m: int, config: dict | None,
+                blocks: int | None, w3=None, scale3=None, limit: float = 0.0, row_weight=None):
+        E, n, half_k = w.shape
+        gate_up = w3 is not None
+        nb = m_pad // block_m if blocks is None else blocks
+        c = dict(gate_up_config(nb, E) if gate_up else GEMV_CONFIG, **(config or {}))
+        if c["BLOCK_K"] % 32:
+            raise ValueError(f"packed FP4 weights need BLOCK_K a multiple of 32, got {c['BLOCK_K']}")
+        out = torch.empty(nb * block_m if gate_up else m_pad, n, dtype=a.dtype, device=a.device)
+        words = as_words(w)
+        words3 = as_words(w3) if gate_up else words
+        if gate_up and (w3.shape != w.shape or scale3.stride() != scale.stride() or words3.stride() != words.stride()):
+            raise ValueError(f"fp4_gemv_gate_up: w1 {tuple(w.shape)} and w3 {tuple(w3.shape)} need one shape and"
+                             " layout (the kernel indexes both alike)")
+        _fp4_gemv_kernel[(nb, triton.cdiv(n, c["BLOCK_N"]))](
+            a, a.stride(0), rows, words, words3, words.stride(0), words.stride(1), scale,
+            scale3 if gate_up else scale, scale.stride(0), scale.stride(1), out, out.stride(0), block_expert,
+            row_weight.float().contiguous() if gate_up else out, float(limit), n, 2 * half_k, GATHER=gather,
+            GATE_UP=gate_up, CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+            EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+        return out
 
     def fp4_gemv(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                  block_expert: torch.Tensor, gather: bool, m_pad: int, block_m: int,
@@ -206,16 +280,14 @@ if HAVE_TRITON:
         """out [m_pad, n] (sorted layout; only valid rows written) = a[rows] @ decode(w[e]).T per row block, as
         ``moe._grouped_gemm(..., scale=scale, blocks=blocks)``. ``config``: GEMV_CONFIG's keys
         (bench/fp4_gemv_gpu.py)."""
-        E, n, half_k = w.shape
-        c = dict(GEMV_CONFIG, **(config or {}))
-        if c["BLOCK_K"] % 32:
-            raise ValueError(f"packed FP4 weights need BLOCK_K a multiple of 32, got {c['BLOCK_K']}")
-        out = torch.empty(m_pad, n, dtype=a.dtype, device=a.device)
-        grid = (m_pad // block_m if blocks is None else blocks, triton.cdiv(n, c["BLOCK_N"]))
-        words = as_words(w)
-        _fp4_gemv_kernel[grid](a, a.stride(0), rows, words, words.stride(0), words.stride(1), scale, scale.stride(0),
-                               scale.stride(1), out, out.stride(0), block_expert, n, 2 * half_k, GATHER=gather,
-                               BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                               EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), num_warps=c["num_warps"],
-                               num_stages=c["num_stages"])
-        return out
+        return _launch(a, rows, w, scale, block_expert, gather, m_pad, block_m, config, blocks)
+
+    def fp4_gemv_gate_up(a: torch.Tensor, rows: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
+                         s3: torch.Tensor, block_expert: torch.Tensor, m_pad: int, block_m: int, limit: float,
+                         row_weight: torch.Tensor, config: dict | None = None,
+                         blocks: int | None = None) -> torch.Tensor:
+        """h [blocks * block_m, I] (sorted layout; valid rows written) = SwiGLU(a[rows] @ w1[e].T,
+        a[rows] @ w3[e].T) times row_weight, rounded once to a's dtype: the three launches of the grouped
+        experts' first half in one. ``config``: GEMV_CONFIG_GATE_UP's keys. Its twin is ``moe.gate_up_torch``."""
+        return _launch(a, rows, w1, s1, block_expert, True, m_pad, block_m, config, blocks, w3, s3, limit,
+                       row_weight)

@@ -12,8 +12,10 @@ N*k + E*(BLOCK_M-1)), so the whole thing can be captured in a CUDA graph. The pl
     block b -> expert of the segment holding row b*BLOCK_M (or -1 past the end: the block exits)
 
 Around the GEMMs: for small batches one Triton program computes that layout (``_align_kernel``, twin
-``align_torch``), SwiGLU with the routing weight is one kernel, and one kernel sums each token's rows of the
-last GEMM back (``_combine_kernel``, twin: the gather and sum at the end of ``grouped_experts``).
+``align_torch``), SwiGLU with the routing weight is one kernel (with packed FP4 weights at decode sizes, one
+kernel with w1 and w3: ``fp4_gemv.fp4_gemv_gate_up``), and one kernel sums each token's rows of the last GEMM
+back, adds the shared expert's output and rounds (``_combine_kernel``, twin: the gather and sum at the end of
+``grouped_experts``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from .fp4 import unpack_fp4
 from . import fp4_gemv as gemv_kernel
 from . import HAVE_TRITON, on
-from .swiglu import swiglu_to
+from .swiglu import swiglu, swiglu_to
 
 BLOCK_M = 16
 # Rows per block for big steps (prefill chunks): once the pairs average 64 rows per expert, every row block
@@ -145,9 +147,10 @@ if HAVE_TRITON:
     from .fp4_gemv import as_words, e2m1_word_bf16, split8, use_asm
 
     @triton.jit
-    def _combine_kernel(Y, PAIR_POS, KEEP, OUT, d, stride_y, K: tl.constexpr, HAS_KEEP: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        """OUT[t] = sum over j < K of Y[PAIR_POS[t*K + j]] (fp32, j in order), pairs with KEEP False left out."""
+    def _combine_kernel(Y, PAIR_POS, KEEP, ADD, OUT, d, stride_y, K: tl.constexpr, HAS_KEEP: tl.constexpr,
+                        HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+        """OUT[t] = sum over j < K of Y[PAIR_POS[t*K + j]] (fp32, j in order), pairs with KEEP False left out,
+        plus ADD[t] (HAS_ADD), rounded once to OUT's dtype."""
         t, cb = tl.program_id(0), tl.program_id(1)
         c = cb * BLOCK + tl.arange(0, BLOCK)
         m = c < d
@@ -158,7 +161,9 @@ if HAVE_TRITON:
             if HAS_KEEP:
                 ok = ok & (tl.load(KEEP + t * K + j) != 0)
             acc += tl.load(Y + row * stride_y + c, mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + t * d + c, acc, mask=m)
+        if HAS_ADD:
+            acc += tl.load(ADD + t * d + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + t * d + c, acc.to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit(do_not_specialize=["P", "m_pad"])
     def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, W, ROW_W, P, k, E, m_pad, PP: tl.constexpr,
@@ -308,11 +313,25 @@ def _grouped_gemm_torch(a, rows, w, block_expert, gather: bool, m_pad: int, scal
     return out
 
 
+def gate_up_torch(a: torch.Tensor, rows: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
+                  s3: torch.Tensor, block_expert: torch.Tensor, m_pad: int, block_m: int, limit: float,
+                  row_weight: torch.Tensor, blocks: int | None = None) -> torch.Tensor:
+    """Twin of ``fp4_gemv_gate_up``: the grouped products of the decoded weights in float32, SwiGLU times the
+    row weight, rounded once to a's dtype (rows of the layout that hold no pair: 0)."""
+    r = (m_pad // block_m if blocks is None else blocks) * block_m
+    g, u = (_grouped_gemm_torch(a.float(), rows, w, block_expert, True, m_pad, scale=s, block_m=block_m,
+                                blocks=blocks)[:r] for w, s in ((w1, s1), (w3, s3)))
+    return (swiglu(g, u, limit) * row_weight.float()[:r, None]).to(a.dtype)
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, limit: float,
                     keep: torch.Tensor | None = None, scales: tuple | None = None,
-                    invariant: bool = False) -> torch.Tensor:
-    """Routed-expert output [N, d] fp32 (same contract as Experts.forward), no host sync on CUDA.
+                    invariant: bool = False, add: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Routed-expert output [N, d] plus ``add`` [N, d] (the shared expert's), in ``out_dtype`` (same contract
+    as Experts.forward), no host sync on CUDA: the sum over a token's pairs, the addition and the rounding are
+    the combine's one kernel.
 
     ``keep`` [N, k] bool (expert parallelism): pairs with ``keep`` False belong to experts of other ranks.
     They are laid out as one extra expert E whose row blocks are skipped (no GEMM work) and contribute 0;
@@ -335,25 +354,41 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     if scales is not None and on(x) and gemv_kernel.use_gemv(N * k, E, invariant):
         gemm = _gemv  # packed FP4 at decode sizes: a GEMV per row
     s1, s2, s3 = scales if scales is not None else (None, None, None)
-    g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
-    u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
     r = blocks * bm  # rows past the active blocks are padding: never computed, never read
-    h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
+    if gemm is _gemv and gemv_kernel.GATE_UP_FUSED:  # w1, w3 and the SwiGLU in one launch
+        h = gemv_kernel.fp4_gemv_gate_up(x, rows, w1, s1, w3, s3, block_expert, m_pad, bm, limit, w_sorted,
+                                         blocks=blocks)
+    else:
+        g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
+        u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
+        h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
     if on(x):  # one kernel; the lines below are its twin
-        return _combine(y, pair_pos, keep, N, k)
+        return _combine(y, pair_pos, keep, N, k, add, out_dtype)
     y = y[pair_pos]
     if keep is not None:  # skipped blocks were never written (torch.empty): select, never multiply
         y = torch.where(keep.reshape(-1, 1), y, 0)
-    return y.view(N, k, -1).float().sum(dim=1)
+    return add_to(y.view(N, k, -1).float().sum(dim=1), add, out_dtype)
 
 
-def _combine(y: torch.Tensor, pair_pos: torch.Tensor, keep: torch.Tensor | None, N: int, k: int) -> torch.Tensor:
-    """[N, d] fp32: each token's sum over its k pairs' rows of the sorted GEMM output (pairs kept only)."""
+def add_to(y: torch.Tensor, add: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 y plus ``add`` (promoted to fp32: exact), rounded once to ``dtype``: the combine's ending."""
+    return (y if add is None else y + add).to(dtype)
+
+
+def _combine(y: torch.Tensor, pair_pos: torch.Tensor, keep: torch.Tensor | None, N: int, k: int,
+             add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, d] in ``out_dtype``: each token's fp32 sum over its k pairs' rows of the sorted GEMM output (pairs kept
+    only), plus ``add``."""
     d = y.shape[1]
-    out = torch.empty(N, d, dtype=torch.float32, device=y.device)
+    out = torch.empty(N, d, dtype=out_dtype, device=y.device)
+    if add is not None:
+        add = add.contiguous()
+        if add.shape != (N, d):
+            raise ValueError(f"grouped_experts: add {tuple(add.shape)} must be the output's shape {(N, d)}")
     if N:
         _combine_kernel[(N, triton.cdiv(d, COMBINE_BLOCK))](
-            y, pair_pos, keep.reshape(-1).contiguous() if keep is not None else pair_pos, out, d, y.stride(0),
-            K=k, HAS_KEEP=keep is not None, BLOCK=COMBINE_BLOCK, num_warps=4)
+            y, pair_pos, keep.reshape(-1).contiguous() if keep is not None else pair_pos,
+            add if add is not None else out, out, d, y.stride(0), K=k, HAS_KEEP=keep is not None,
+            HAS_ADD=add is not None, BLOCK=COMBINE_BLOCK, num_warps=4)
     return out

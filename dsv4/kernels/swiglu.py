@@ -16,6 +16,14 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def swiglu_f32(g, u, limit, CLAMP: tl.constexpr):
+        """silu(min(g, L)) * clamp(u, -L, L) of float32 tensors (CLAMP False: no clamp), as ``swiglu``."""
+        if CLAMP:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
     def _swiglu_kernel(G, U, W, OUT, cols, stride_g, stride_u, limit, HAS_W: tl.constexpr,
                        CLAMP: tl.constexpr, BLOCK: tl.constexpr):
         r, cb = tl.program_id(0), tl.program_id(1)
@@ -23,10 +31,7 @@ if HAVE_TRITON:
         m = c < cols
         g = tl.load(G + r * stride_g + c, mask=m, other=0.0).to(tl.float32)
         u = tl.load(U + r * stride_u + c, mask=m, other=0.0).to(tl.float32)
-        if CLAMP:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = g / (1.0 + tl.exp(-g)) * u
+        h = swiglu_f32(g, u, limit, CLAMP)
         if HAS_W:
             h = h * tl.load(W + r)
         tl.store(OUT + r * cols + c, h.to(OUT.dtype.element_ty), mask=m)

@@ -11,7 +11,7 @@ from .. import kernels
 from ..config import ModelConfig
 from .expert_weights import StackedExperts
 from .fused import FusedLinears, project
-from .ops import swiglu_to
+from .ops import add_to, swiglu_to
 from .rows import Linear, linear
 from .rows import active as rows_active
 
@@ -59,8 +59,10 @@ class Experts(StackedExperts):
         self.grouped_kernel = kernels.enabled()
         self._make_weights(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns fp32 [N, d].
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns the fp32 sum over each token's
+        experts plus ``add`` [N, d] (the shared expert's output), rounded once to ``out_dtype``: [N, d].
 
         On CUDA the grouping happens on the device (a Triton grouped GEMM, no host sync, graph-safe);
         this host-side loop is its plain-torch twin."""
@@ -68,7 +70,7 @@ class Experts(StackedExperts):
             from ..kernels.moe import grouped_experts  # lazy: kernels import model.ops
 
             return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit, scales=self.scales(),
-                                   invariant=rows_active())
+                                   invariant=rows_active(), add=add, out_dtype=out_dtype)
         N, k = ids.shape
         flat = ids.flatten()  # [N*k] one row per (token, choice)
         order = flat.argsort(stable=True)  # rows grouped by expert
@@ -87,7 +89,7 @@ class Experts(StackedExperts):
                 start += c
         y = torch.empty_like(out)
         y[order] = out
-        return y.view(N, k, -1).sum(dim=1)
+        return add_to(y.view(N, k, -1).sum(dim=1), add, out_dtype)
 
 
 class SharedExpert(nn.Module):
@@ -123,7 +125,5 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [N, d], token_ids: [N] (hash routing) -> [N, d]."""
         weights, ids = self.gate(x, token_ids)
-        y = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.to(x.dtype)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)  # routed + shared, rounded once

@@ -26,7 +26,7 @@ from ..kernels.fp8_linear import BLOCK as FP8_BLOCK
 from ..model.expert_weights import StackedExperts, adopt_layout, check_fp4_shapes, is_packed
 from ..model.linear_weights import adopt_linear_layout
 from ..model.model import DeepseekV4
-from ..model.ops import swiglu_to
+from ..model.ops import add_to, swiglu_to
 from ..model.rows import Linear
 from ..model.rows import active as rows_active
 from .comm import Collectives
@@ -151,11 +151,13 @@ class ParallelExperts(StackedExperts):
         self.grouped_kernel = kernels.enabled()
         self._make_weights(num_local, inter_local, d)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``Experts.forward``'s contract: the ranks' summed contributions plus ``add``, in ``out_dtype``."""
         if self.gather_tokens:
             x, weights, ids = (self.comm.all_gather(t) for t in (x, weights, ids))
-            return self.comm.reduce_scatter(self._local(x, weights, ids))
-        return self.comm.all_reduce(self._local(x, weights, ids))
+            return add_to(self.comm.reduce_scatter(self._local(x, weights, ids)), add, out_dtype)
+        return add_to(self.comm.all_reduce(self._local(x, weights, ids)), add, out_dtype)
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Contributions of this rank's experts: fp32 [N, d], zeros for tokens routed elsewhere.
