@@ -39,6 +39,8 @@ GEMV_SWEEP += [{"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 32, 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 32])
+    ap.add_argument("--gemv-splits", type=int, nargs="*", default=[],
+                    help="also the GEMV's best tile with each of these split-K factors (partials summed after)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     bw = copy_bandwidth()
@@ -58,8 +60,8 @@ def main():
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, M, err)
 
-            def kern(cfg, gemv=False):
-                return lambda i: f8._launch(x, *q8[i], config=cfg, gemv=gemv)
+            def kern(cfg, gemv=False, split=None):
+                return lambda i: f8._launch(x, *q8[i], config=cfg, gemv=gemv, split=split)
 
             if G == 1:
                 x2 = x[:, 0]
@@ -77,6 +79,10 @@ def main():
                 cg = GEMV_SWEEP[ig]
                 tile = "/".join(str(cg[key]) for key in ("BLOCK_N", "BLOCK_K", "num_warps"))
                 gemv = f"{graph_us(kern(None, True), COPIES):.1f} / {tg:.1f} ({tile})"
+                for S in a.gemv_splits:  # split-K: more programs, and the partials' sum after
+                    ts, js = min((graph_us(kern(cg, True, S), COPIES), i) for i, cg in enumerate(GEMV_SWEEP))
+                    cs = GEMV_SWEEP[js]
+                    gemv += f"; split {S}: {ts:.1f} ({cs['BLOCK_N']}/{cs['BLOCK_K']}/{cs['num_warps']})"
             fp8_bytes, bf16_bytes = G * N * K * (1 + 4 / 128 ** 2), G * N * K * 2
             rows.append([name, M, f"{default:.1f}", f"{best:.1f} ({c['BLOCK_N']}/{c['num_warps']}/{c['num_stages']})",
                          gemv, f"{cublas:.1f}", f"{cublas / default:.2f}x",

@@ -246,6 +246,8 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     (2, 1, 200, 1000, None),    # the GEMV: N not a multiple of its tile, K ending inside a block
     (4, 8, 1024, 4096, None),   # wo_a at MTP k = 3's verify, concurrency 1 (the GEMV, grouped)
     (3, 1, 4096, 8192, 2),      # the GEMV with a forced split
+    (1, 1, 32768, 1024, None),  # wq_b at batch 1: the GEMV with 32 outputs a program (gemv_block_n)
+    (1, 8, 1024, 4096, None),   # wo_a at batch 1: 16 a program, inside one scale block row
 ])
 def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     """The weight-only FP8 kernels (tensor cores, and the GEMV where it fits; split-K or not, grouped or not)

@@ -33,6 +33,19 @@ TARGET_PROGRAMS = 264  # two per SM of an H200: the split-K factor aims for this
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the best of fp8_linear_gpu.py's sweep on most shapes
 GEMV_MAX_ROWS = 1  # products of at most this many rows take the GEMV kernel (``gemv_fits``; at 2 about even)
 GEMV_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # BLOCK_N divides 128; BLOCK_K 128s
+# The GEMV's BLOCK_N without a config: about GEMV_PROGRAMS output tiles, BLOCK_N from 8 to GEMV_MAX_BLOCK_N. At one
+# row on an H100 (bench/fp8_linear_gpu.py, BENCHMARKS.md) 8 rows a program took wq_b (32768 outputs) 21.2 us
+# against 17.7 at 32, and the grouped wo_a (8 x 1024) 19.9 against 17.7 at 16; at 4096 outputs and fewer 8 is best
+GEMV_PROGRAMS = 512
+GEMV_MAX_BLOCK_N = 32
+
+
+def gemv_block_n(outputs: int) -> int:
+    """The GEMV's rows per program for a product of ``outputs`` rows of weight (groups times N)."""
+    bn = GEMV_CONFIG["BLOCK_N"]
+    while bn < GEMV_MAX_BLOCK_N and outputs >= 2 * bn * GEMV_PROGRAMS:
+        bn *= 2
+    return bn
 GEMV_MAX_ACC = 8192  # float32 accumulator elements per GEMV program (rows x BLOCK_N x BLOCK_K): BLOCK_K shrinks to fit
 
 
@@ -107,7 +120,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
     M, G, K = x.shape
     N = weight.shape[1]
     gemv = gemv_fits(M, G, N) if gemv is None else gemv
-    cfg = {**(GEMV_CONFIG if gemv else CONFIG), **(config or {})}
+    cfg = {**(dict(GEMV_CONFIG, BLOCK_N=gemv_block_n(G * N)) if gemv else CONFIG), **(config or {})}
     BN = cfg["BLOCK_N"]
     if gemv:
         if not gemv_shape(G, N):
