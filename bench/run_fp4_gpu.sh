@@ -8,7 +8,7 @@
 #   bash bench/run_fp4_gpu.sh ["decode_floor.py --expert-format fp4" ...]
 set -u
 if [ -z "${TESTS:-}" ]; then
-  TESTS="tests/test_kernels_cuda.py tests/test_kernel_sparse_attention_cuda.py"
+  TESTS="tests/test_kernels_cuda.py tests/test_kernel_fp4_cuda.py tests/test_kernel_fp8_linear_cuda.py tests/test_kernel_sparse_attention_cuda.py"
   [ -z "${SKIP_MTP:-}" ] && TESTS="$TESTS tests/test_kernel_mini_cuda.py"
 fi
 benches=("$@")

@@ -33,9 +33,11 @@ TARGET_PROGRAMS = 264  # two per SM of an H200: the split-K factor aims for this
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # the best of fp8_linear_gpu.py's sweep on most shapes
 GEMV_MAX_ROWS = 1  # products of at most this many rows take the GEMV kernel (``gemv_fits``; at 2 about even)
 GEMV_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # BLOCK_N divides 128; BLOCK_K 128s
-# The GEMV's BLOCK_N without a config: about GEMV_PROGRAMS output tiles, BLOCK_N from 8 to GEMV_MAX_BLOCK_N. At one
-# row on an H100 (bench/fp8_linear_gpu.py, BENCHMARKS.md) 8 rows a program took wq_b (32768 outputs) 21.2 us
-# against 17.7 at 32, and the grouped wo_a (8 x 1024) 19.9 against 17.7 at 16; at 4096 outputs and fewer 8 is best
+GEMV_MAX_ACC = 8192  # float32 accumulator elements per GEMV program (rows x BLOCK_N x BLOCK_K): BLOCK_K shrinks to fit
+# The GEMV's BLOCK_N without a config: about GEMV_PROGRAMS output tiles, BLOCK_N from 8 to GEMV_MAX_BLOCK_N. At
+# one row on an H100 (bench/fp8_linear_gpu.py, BENCHMARKS.md) 8 rows a program took wq_b (32768 outputs) 21.2 us
+# against 17.7 at 32 (where GEMV_MAX_ACC makes BLOCK_K 256), and the grouped wo_a (8 x 1024) 19.9 against 17.7
+# at 16; at 4096 outputs and fewer 8 is best
 GEMV_PROGRAMS = 512
 GEMV_MAX_BLOCK_N = 32
 
@@ -46,7 +48,6 @@ def gemv_block_n(outputs: int) -> int:
     while bn < GEMV_MAX_BLOCK_N and outputs >= 2 * bn * GEMV_PROGRAMS:
         bn *= 2
     return bn
-GEMV_MAX_ACC = 8192  # float32 accumulator elements per GEMV program (rows x BLOCK_N x BLOCK_K): BLOCK_K shrinks to fit
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

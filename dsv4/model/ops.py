@@ -13,8 +13,8 @@ from .. import kernels
 from ..kernels import norm as norm_kernel
 from ..kernels import rope as rope_kernel
 from ..kernels.indexer import index_scores  # noqa: F401  (the twins live beside their kernels)
-from ..kernels.sparse_attention import sink_attention  # noqa: F401
 from ..kernels.moe import add_to  # noqa: F401
+from ..kernels.sparse_attention import sink_attention  # noqa: F401
 from ..kernels.swiglu import swiglu, swiglu_to  # noqa: F401
 
 

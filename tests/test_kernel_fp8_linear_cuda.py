@@ -1,0 +1,72 @@
+"""Weight-only FP8 linears on the GPU (dsv4.kernels.fp8_linear): the tensor-core kernel and the GEMV against
+dequantise-then-GEMM in float64, and the engine with FP8 linears against its dequantised twin. Skipped without
+CUDA (run on the device machine: `pytest -m cuda`)."""
+
+import pytest
+import torch
+
+from .test_kernels_cuda import _engine, rel_err
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M, G, N, K, split", [
+    (1, 1, 1024, 4096, None),   # Flash's wq_a at batch 1: split-K
+    (32, 1, 4096, 8192, None),  # wo_b at batch 32
+    (5, 8, 1024, 4096, None),   # wo_a: 8 groups
+    (32, 8, 1024, 4096, None),  # wo_a at batch 32: 256 rows x groups, 32 rows of the product (the kernel's)
+    (3, 3, 64, 300, None),      # groups of 64 rows: a scale block spans two groups; K ends inside a block
+    (128, 1, 200, 1000, 3),     # fixed_rows' chunk, forced split, N and K not multiples of a tile
+    (17, 1, 32768, 1024, 1),
+    (2, 1, 200, 1000, None),    # the GEMV: N not a multiple of its tile, K ending inside a block
+    (4, 8, 1024, 4096, None),   # wo_a at MTP k = 3's verify, concurrency 1 (the GEMV, grouped)
+    (3, 1, 4096, 8192, 2),      # the GEMV with a forced split
+    (1, 1, 32768, 1024, None),  # wq_b at batch 1: the GEMV with 32 outputs a program (gemv_block_n)
+    (1, 8, 1024, 4096, None),   # wo_a at batch 1: 16 a program, inside one scale block row
+])
+def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
+    """The weight-only FP8 kernels (tensor cores, and the GEMV where it fits; split-K or not, grouped or not)
+    against dequantise-then-GEMM in fp64; a wrong scale fails each."""
+    from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
+    from dsv4.kernels import fp8_linear as f8
+
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N)
+    q, s = quant_fp8_block(torch.randn(G * N, K, device="cuda", generator=g) * 0.05)
+    s = e8m0_to_float(s)
+    w = q.view(G, N, K)
+    x = torch.randn(M, G, K, device="cuda", generator=g).to(dtype)
+    ref = torch.einsum("mgk,gnk->mgn", x.double(), f8.dequantize(w, s, torch.float64))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    wrong = s.clone()
+    wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs
+    r = min(N, G * N - (G * N - 1) // 128 * 128)
+    for gemv in (False, True) if M <= 4 and f8.gemv_shape(G, N) else (False,):  # (the GEMV forced past its rows)
+        out = f8._launch(x, w, s, split=split, gemv=gemv)
+        assert out.dtype == dtype and out.shape == (M, G, N)
+        assert rel_err(out, ref) < tol, (gemv, rel_err(out, ref))
+        assert rel_err(f8._launch(x, w, wrong, split=split, gemv=gemv)[:, -1, -r:], ref[:, -1, -r:]) > 10 * tol
+    if G == 1:  # the engine's calls: the GEMV where it fits (one row)
+        assert rel_err(f8.fp8_linear(x[:, 0], q, s), ref[:, 0]) < tol
+    else:
+        assert f8.usable(x, w, M)  # a grouped product's rows are x's rows, not rows x groups
+        assert rel_err(f8.grouped_fp8_linear(x, w, s), ref) < tol
+
+
+def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():
+    """fp32, CUDA graphs, MTP 2: tiny with FP8 linears gives the tokens of tiny whose linears are the same
+    FP8-rounded weights, dequantised (so the FP8 kernel runs inside the engine's graphs and fused groups)."""
+    from dsv4 import SamplingParams
+
+    from .fp8_twin import round_fp8_linears
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, [7] * 3, list(range(2, 90))]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+    f8 = _engine("tiny", linear_format="fp8", speculative_config=spec)
+    assert f8.model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    twin = _engine("tiny", speculative_config=spec)
+    round_fp8_linears(twin.model)
+    out = [o.outputs[0].token_ids for o in f8.generate(prompts, sp)]
+    assert f8.engine.runner.graphs.num_replays > 0
+    assert out == [o.outputs[0].token_ids for o in twin.generate(prompts, sp)]
