@@ -24,6 +24,8 @@ pytestmark = pytest.mark.cuda
     (3, 1, 4096, 8192, 2),      # the GEMV with a forced split
     (1, 1, 32768, 1024, None),  # wq_b at batch 1: the GEMV with 32 outputs a program (gemv_block_n)
     (1, 8, 1024, 4096, None),   # wo_a at batch 1: 16 a program, inside one scale block row
+    (1, 1, 200, 1000, None),    # one row (the GEMV's scale-block loop), K ending inside a block
+    (1, 1, 300, 1000, 2),       # one row, a forced split whose second part ends inside a block
 ])
 def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     """The weight-only FP8 kernels (tensor cores, and the GEMV where it fits; split-K or not, grouped or not)

@@ -342,39 +342,59 @@ def test_rms_norm_kernel_matches_twin(dtype, shape):
 
 def test_rope_and_norm_on_empty_inputs():
     """A step that closes no compressor window ropes and norms zero rows."""
-    from dsv4.model.ops import apply_rope, rms_norm, rope_cos_sin
+    from dsv4.model.ops import Rope, apply_rope, rms_norm, rms_norm_rope
 
-    cos, sin = rope_cos_sin(torch.ones(32, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda"))
+    rope = Rope(torch.ones(32, device="cuda"), torch.zeros(0, dtype=torch.long, device="cuda"))
     for shape in [(0, 512), (0, 64, 512), (0, 4, 128)]:
         x = torch.zeros(*shape, device="cuda", dtype=torch.bfloat16)
-        assert apply_rope(x, cos, sin).shape == x.shape and rms_norm(x, None, 1e-6).shape == x.shape
+        assert apply_rope(x, rope).shape == x.shape and rms_norm(x, None, 1e-6).shape == x.shape
+        assert rms_norm_rope(x, None, 1e-6, rope).shape == x.shape
+
+
+def _kernels_off(fn):
+    """fn() with every kernel switched off: the torch lines on the same device (torch's CUDA cos and sin)."""
+    from dsv4 import kernels
+
+    kernels.set_enabled(False)
+    try:
+        return fn()
+    finally:
+        kernels.set_enabled(True)
+
+
+def _rope_inputs(rows: int, R: int, g, big: bool = True):
+    """Positions up to 10**6 (angles far past 2 pi: cos/sin's argument reduction) and a real table."""
+    from dsv4.model.ops import Rope
+
+    pos = torch.randint(0, 10 ** 6 if big else 4096, (rows,), device="cuda", generator=g)
+    return Rope(1.0 / (10000 ** (torch.arange(0, R, 2, device="cuda").float() / R)), pos)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(7, 64, 512), (3, 512), (4, 2, 3, 128), (37, 64, 128), (2, 64)])
 def test_rope_kernel_equals_twin(dtype, shape):
-    """dsv4.kernels.rope (what ops.apply_rope runs on CUDA) does the twin's fp32 arithmetic without fused
-    multiply-adds: bit-identical to the torch lines on the CPU, forward and inverse."""
+    """dsv4.kernels.rope (what ops.apply_rope runs on CUDA, the angles computed in the kernel) does the twin's
+    fp32 arithmetic without fused multiply-adds: bit-identical to the torch lines on the GPU (torch's cos and
+    sin), forward and inverse, and within float32 rounding of the CPU's (whose cos and sin are other code)."""
     from dsv4.kernels import rope as kernel
-    from dsv4.model.ops import apply_rope, rope_cos_sin
+    from dsv4.model.ops import Rope, apply_rope
 
     g = torch.Generator(device="cuda").manual_seed(shape[-1] + len(shape))
-    R = 64
     x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
-    pos = torch.randint(0, 100000, (shape[0],), device="cuda", generator=g)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, R, 2, device="cuda").float() / R))
-    cos, sin = rope_cos_sin(inv_freq, pos)
-    assert kernel.usable(x, cos)
+    rope = _rope_inputs(shape[0], 64, g)
+    assert kernel.usable(x, rope.table, rope.positions)
     for inverse in (False, True):
-        ref = apply_rope(x.cpu(), cos.cpu(), sin.cpu(), inverse)
+        ref = _kernels_off(lambda: apply_rope(x, Rope(rope.table, rope.positions), inverse))
         _poison_allocator(x.numel(), dtype)
-        out = apply_rope(x, cos, sin, inverse)
+        out = apply_rope(x, rope, inverse)
         assert torch.isfinite(out).all()
-        assert torch.equal(out.cpu(), ref)
+        assert torch.equal(out, ref)
+        cpu = apply_rope(x.cpu(), Rope(rope.table.cpu(), rope.positions.cpu()), inverse)
+        assert rel_err(out.cpu(), cpu) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
     if x.dim() == 3:  # the same values with non-contiguous strides (copied first)
         strided = x.transpose(0, 1).contiguous().transpose(0, 1)
         assert not strided.is_contiguous()
-        assert torch.equal(apply_rope(strided, cos, sin).cpu(), apply_rope(x.cpu(), cos.cpu(), sin.cpu()))
+        assert torch.equal(apply_rope(strided, rope), apply_rope(x, rope))
 
 
 @pytest.mark.parametrize("preset, max_draft, tpb", [("tiny", 2, 16), ("flash-L4-E32", 1, 128), ("tiny-r128", 3, 128)])
@@ -504,16 +524,20 @@ def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
 @pytest.mark.parametrize("shape, R, weighted", [((7, 64, 512), 64, False), ((33, 512), 64, True),
                                                 ((5, 128), 64, True), ((3, 4, 32), 16, False), ((1, 512), 64, True)])
 def test_rms_norm_rope_kernel_matches_twin(dtype, shape, R, weighted):
-    """The fused norm + rope (q per head, the K=V head, compressor entries) against rope(norm(x)) on the CPU."""
-    from dsv4.model.ops import apply_rope, rms_norm, rms_norm_rope
+    """The fused norm + rope (q per head, the K=V head, compressor entries; the angles computed in the kernel)
+    against rope(norm(x)): the torch lines on the GPU (same cos and sin) and on the CPU."""
+    from dsv4.model.ops import Rope, apply_rope, rms_norm, rms_norm_rope
 
     g = torch.Generator(device="cuda").manual_seed(shape[-1] + R)
     x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
     w = (torch.rand(shape[-1], device="cuda", generator=g) + 0.5).to(dtype) if weighted else None
-    ang = torch.randn(shape[0], R // 2, device="cuda", generator=g) * 3
-    cos, sin = ang.cos(), ang.sin()
-    ref = apply_rope(rms_norm(x.cpu(), None if w is None else w.cpu(), 1e-6), cos.cpu(), sin.cpu())
+    rope = _rope_inputs(shape[0], R, g, big=shape[0] % 2 == 1)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    ref = apply_rope(rms_norm(x.cpu(), None if w is None else w.cpu(), 1e-6), Rope(rope.table.cpu(),
+                                                                                  rope.positions.cpu()))
+    gpu = _kernels_off(lambda: rms_norm_rope(x, w, 1e-6, Rope(rope.table, rope.positions)))
     _poison_allocator(x.numel(), dtype)
-    out = rms_norm_rope(x, w, 1e-6, cos, sin)
+    out = rms_norm_rope(x, w, 1e-6, rope)
     assert out.dtype == dtype and out.shape == x.shape and torch.isfinite(out).all()
-    assert rel_err(out.cpu(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert rel_err(out.cpu(), ref) < tol
+    assert rel_err(out, gpu) < tol  # the norm's rsqrt differs (F.rms_norm there), the rope's cos and sin do not

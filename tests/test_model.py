@@ -115,7 +115,7 @@ def test_checkpoint_without_mtp_loads_and_refuses_mtp(tmp_path):
 def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
     """Indexer.select skips its scores when the step has at most index_topk entries; the long way (scores,
     then top-k of the visible ones) gives the same selection."""
-    from dsv4.model.ops import apply_rope, index_scores, rope_cos_sin, topk_mask
+    from dsv4.model.ops import Rope, apply_rope, index_scores, topk_mask
 
     torch.manual_seed(0)
     cfg = get_preset("tiny")
@@ -126,22 +126,22 @@ def test_indexer_with_at_most_topk_entries_selects_every_visible_one():
     xs = blk.attn.project_input(x)
     c_q = torch.randn(B * T, cfg.q_lora_rank)
     backend = DenseBackend(B, T, cfg.window_size, "cpu")
-    cos, sin = rope_cos_sin(blk.attn.inv_freq, backend.positions)
+    rope = Rope(blk.attn.inv_freq, backend.positions)
     E = T // 4
     visible = torch.rand(B, T, E) < 0.6
     for topk in (E, E + 5):  # the skip is taken
         idx.topk = topk
         entries = torch.randn(B, E, cfg.head_dim)
-        got_entries, got = idx.select(xs, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
+        got_entries, got = idx.select(xs, c_q, rope, (entries, visible), backend, blk.attn.layer_id)
         assert got_entries is entries
         rows = idx.compressor.project(xs["idx_kv"], xs["idx_gate"], backend.positions)
         keys, _ = backend.compressed(blk.attn.layer_id, "indexer", idx.compressor, rows)
         q = idx.wq_b(c_q).unflatten(-1, (idx.n_heads, idx.head_dim))
-        scores = index_scores(backend.group(apply_rope(q, cos, sin)), backend.group(idx.weights_proj(x)), keys,
+        scores = index_scores(backend.group(apply_rope(q, rope)), backend.group(idx.weights_proj(x)), keys,
                               idx.n_heads, idx.head_dim)
         assert torch.equal(got, topk_mask(scores, visible, topk)) and torch.equal(got, visible)
     idx.topk = 2  # fewer than E: the scores decide, and only 2 per query survive
-    _, got = idx.select(xs, c_q, cos, sin, (entries, visible), backend, blk.attn.layer_id)
+    _, got = idx.select(xs, c_q, rope, (entries, visible), backend, blk.attn.layer_id)
     assert (got.sum(-1) <= 2).all() and not (got & ~visible).any() and got.sum() < visible.sum()
 
 

@@ -3,20 +3,22 @@ is the CPU branch of ``dsv4.model.ops.rms_norm`` (float, square, mean, rsqrt, tw
 
 ``rms_norm_rope`` fuses the RoPE that follows every norm of a key or query (q per head, the K=V head, the
 compressors' entries): the normed row is rounded to the input dtype, then rotated in fp32 like
-``dsv4.kernels.rope`` (no fused multiply-adds), then rounded again; its twin is
-``apply_rope(rms_norm(x, w, eps), cos, sin)``. Even and odd channels are loaded as two halves, so a pair's
+``dsv4.kernels.rope`` (angles computed in the kernel, no fused multiply-adds), then rounded again; its twin is
+``apply_rope(rms_norm(x, w, eps), rope)``. Even and odd channels are loaded as two halves, so a pair's
 partner is in registers."""
 
 from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, enabled
-from .rope import rows_by_head
+from . import HAVE_TRITON
+from .rope import angles_fit, rows_by_head
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .rope import angles
 
     @triton.jit
     def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, d, eps, HAS_W: tl.constexpr, DP: tl.constexpr):
@@ -31,7 +33,7 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _rms_norm_rope_kernel(X, W, COS, SIN, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh, stride_cn, eps,
+    def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh, eps,
                               D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -50,8 +52,8 @@ if HAVE_TRITON:
         b = b.to(OUT.dtype.element_ty).to(tl.float32)
         in_rope = i >= (D - R) // 2
         j = tl.where(in_rope, i - (D - R) // 2, 0)
-        cs = tl.load(COS + n * stride_cn + j, mask=in_rope, other=1.0)[None, :]
-        sn = tl.load(SIN + n * stride_cn + j, mask=in_rope, other=0.0)[None, :]
+        cs, sn = angles(POS, FREQ, n, j, in_rope)
+        cs, sn = cs[None, :], sn[None, :]
         ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
         rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
         dst = OUT + n * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
@@ -73,22 +75,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out.view(x.shape)
 
 
-def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """The fused kernel's case: x [N, ..., D] with D a power of two, cos/sin [N, R/2] fp32."""
+def rope_usable(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> bool:
+    """The fused kernel's case: x [N, ..., D] with D a power of two, positions [N] integers, a float32 table
+    [R/2]."""
     D = x.shape[-1] if x.dim() else 0
-    return (enabled() and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.numel() > 0
-            and D >= 2 and D & (D - 1) == 0 and 2 * cos.shape[-1] <= D and cos.dtype == torch.float32)
+    return angles_fit(x, table, positions) and x.numel() > 0 and D >= 2 and D & (D - 1) == 0
 
 
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, table: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
     N, D = x.shape[0], x.shape[-1]
-    x3, cos, sin, out = rows_by_head(x, cos, sin)
+    x3, table, positions, out = rows_by_head(x, table, positions)
     Hm = x3.shape[1]
     BLOCK_H = max(1, min(triton.next_power_of_2(Hm), 4096 // D))
     w = weight.contiguous() if weight is not None else x3
     _rms_norm_rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
-        x3, w, cos, sin, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), eps,
-        D=D, R=2 * cos.shape[-1], HAS_W=weight is not None, BLOCK_H=BLOCK_H, enable_fp_fusion=False,
+        x3, w, positions, table, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), eps,
+        D=D, R=2 * table.shape[-1], HAS_W=weight is not None, BLOCK_H=BLOCK_H, enable_fp_fusion=False,
         num_warps=4 if BLOCK_H * D <= 2048 else 8)
     return out.view(x.shape)

@@ -1,6 +1,9 @@
 """RoPE on the trailing rope channels (interleaved pairs) in one kernel: the plain-torch twin is
 ``dsv4.model.ops.apply_rope``'s body (a dozen small ops: float, four products, sub, add, stack, cat, to).
-The kernel does the same fp32 arithmetic without fused multiply-adds, so it matches the twin exactly."""
+The kernel computes the angles itself from the rows' positions and the layer's frequency table (``angles``:
+the float32 product, then cos and sin, which Triton takes from libdevice as torch's CUDA cos and sin are
+CUDA's cosf and sinf), so a step's rope costs no launches of its own, and does the twin's fp32 arithmetic
+without fused multiply-adds."""
 
 from __future__ import annotations
 
@@ -13,7 +16,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rope_kernel(X, COS, SIN, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh, stride_cn,
+    def angles(POS, FREQ, n, j, in_rope):
+        """cos, sin of position[n] * table[j] (1 and 0 off the rope channels)."""
+        a = tl.load(POS + n).to(tl.float32) * tl.load(FREQ + j, mask=in_rope, other=0.0)
+        return tl.where(in_rope, tl.cos(a), 1.0), tl.where(in_rope, tl.sin(a), 0.0)
+
+    @triton.jit
+    def _rope_kernel(X, POS, FREQ, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh,
                      D: tl.constexpr, R: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
                      INVERSE: tl.constexpr):
         n = tl.program_id(0)
@@ -25,8 +34,8 @@ if HAVE_TRITON:
         x = tl.load(row + c[None, :], mask=m, other=0.0).to(tl.float32)
         xp = tl.load(row + (c ^ 1)[None, :], mask=m & in_rope[None, :], other=0.0).to(tl.float32)
         j = tl.where(in_rope, (c - (D - R)) // 2, 0)
-        cs = tl.load(COS + n * stride_cn + j, mask=in_rope, other=1.0)[None, :]
-        sn = tl.load(SIN + n * stride_cn + j, mask=in_rope, other=0.0)[None, :]
+        cs, sn = angles(POS, FREQ, n, j, in_rope)
+        cs, sn = cs[None, :], sn[None, :]
         if INVERSE:
             sn = -sn
         even = ((c % 2) == 0)[None, :]
@@ -36,31 +45,41 @@ if HAVE_TRITON:
         tl.store(OUT + n * stride_on + h[:, None] * stride_oh + c[None, :], y.to(OUT.dtype.element_ty), mask=m)
 
 
-def usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """The kernel's case: CUDA (or Triton's interpreter), x [N, ..., D] and cos/sin [N, R/2] with an even
-    nope width, so pairs are (even, odd) channels."""
-    if not enabled() or cos.dim() != 2 or x.dim() < 2 or x.shape[0] != cos.shape[0] or x.numel() == 0:
+def usable(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> bool:
+    """The kernel's case: CUDA (or Triton's interpreter), x [N, ..., D], positions [N] integers and a float32
+    table [R/2] with an even nope width, so pairs are (even, odd) channels."""
+    if not angles_fit(x, table, positions) or x.numel() == 0:
         return False  # (an empty x, e.g. a step that closes no compressor window, takes the torch lines)
-    return (x.shape[-1] - 2 * cos.shape[-1]) % 2 == 0 and cos.dtype == torch.float32
+    return (x.shape[-1] - 2 * table.shape[-1]) % 2 == 0
 
 
-def rows_by_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x [N, ..., D] as [N, Hm, D] with unit stride along D, cos/sin contiguous, and an empty output of that
-    shape: the launch arguments of this kernel and of the fused norm + rope (``dsv4.kernels.norm``)."""
+def angles_fit(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> bool:
+    """What both rope kernels need of their angles' inputs: one integer position per row of x and a float32
+    table no wider than half a row."""
+    return (enabled() and x.dim() >= 2 and positions.dim() == 1 and x.shape[0] == positions.shape[0]
+            and not positions.is_floating_point() and table.dim() == 1 and table.dtype == torch.float32
+            and 2 * table.shape[0] <= x.shape[-1] and positions.device == x.device == table.device)
+
+
+def rows_by_head(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor):
+    """x [N, ..., D] as [N, Hm, D] with unit stride along D, the table and positions contiguous, and an empty
+    output of that shape: the launch arguments of this kernel and of the fused norm + rope
+    (``dsv4.kernels.norm``)."""
     x3 = x.reshape(x.shape[0], -1, x.shape[-1])
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    return x3, cos.contiguous(), sin.contiguous(), torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    return (x3, table.contiguous(), positions.contiguous(),
+            torch.empty(x3.shape, dtype=x.dtype, device=x.device))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    N, D, R = x.shape[0], x.shape[-1], 2 * cos.shape[-1]
-    x3, cos, sin, out = rows_by_head(x, cos, sin)
+def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    N, D, R = x.shape[0], x.shape[-1], 2 * table.shape[-1]
+    x3, table, positions, out = rows_by_head(x, table, positions)
     Hm = x3.shape[1]
     DP = triton.next_power_of_2(D)
     BLOCK_H = max(1, min(triton.next_power_of_2(max(Hm, 1)), 4096 // DP))
     if N and Hm:
         _rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
-            x3, cos, sin, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+            x3, positions, table, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
             D=D, R=R, DP=DP, BLOCK_H=BLOCK_H, INVERSE=inverse, enable_fp_fusion=False)
     return out.view(x.shape)

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig, kind_spec
 from ..kernels import project as project_kernel
-from .ops import (apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, rope_cos_sin, sink_attention,
+from .ops import (Rope, apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, sink_attention,
                   topk_mask)
 from .fused import FusedLinears, project
 from .rope import layer_inv_freq
@@ -27,7 +27,7 @@ class AttentionBackend(Protocol):
     """Where an attention layer's keys come from. N tokens are grouped as [G, Tq] for attention."""
 
     positions: torch.Tensor  # [N] absolute positions
-    rope_memo: dict  # id(rope table) -> (table, (cos, sin)) of ``positions``: filled by ``step_rope``
+    rope_memo: dict  # id(rope table) -> (table, Rope of ``positions``): filled by ``step_rope``
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [G, Tq, ...]"""
@@ -78,12 +78,13 @@ def select_top_gathered(compressed, q: torch.Tensor, w: torch.Tensor, keys: torc
     return entries, topk_mask(scores, visible, k)
 
 
-def step_rope(backend: AttentionBackend, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, R/2] of the backend's positions for a rope table, computed once per backend (one forward)
-    and table; the memo keeps the table alive, so its id cannot be reused while the entry exists."""
+def step_rope(backend: AttentionBackend, table: torch.Tensor) -> Rope:
+    """The angles of the backend's positions for a rope table, one ``Rope`` per backend (one forward) and
+    table, so the torch lines compute its cos/sin once; the memo keeps the table alive, so its id cannot be
+    reused while the entry exists."""
     hit = backend.rope_memo.get(id(table))
     if hit is None:
-        hit = backend.rope_memo[id(table)] = (table, rope_cos_sin(table, backend.positions))
+        hit = backend.rope_memo[id(table)] = (table, Rope(table, backend.positions))
     return hit[1]
 
 
@@ -137,8 +138,7 @@ class Compressor(nn.Module):
 
     def finish(self, pooled: torch.Tensor, window_pos: torch.Tensor) -> torch.Tensor:
         """Pooled windows [M, D] -> entries: the compressor's RMSNorm, then RoPE at the window start."""
-        cos, sin = rope_cos_sin(self.inv_freq, window_pos)
-        return rms_norm_rope(pooled, self.norm.weight, self.norm.eps, cos, sin)
+        return rms_norm_rope(pooled, self.norm.weight, self.norm.eps, Rope(self.inv_freq, window_pos))
 
 
 class Indexer(nn.Module):
@@ -151,8 +151,8 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, 4, self.head_dim)
 
-    def select(self, xs: dict, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compressed,
-               backend: AttentionBackend, layer_id: int):
+    def select(self, xs: dict, c_q: torch.Tensor, rope: Rope, compressed, backend: AttentionBackend,
+               layer_id: int):
         """``xs``: the layer's input projections (``Attention.project_input``); ``compressed``: the layer's
         (entries, visibility [G, Tq, E]) from ``backend.compressed`` -> the same with only each query's top-k
         visible entries left (``backend.select_top``)."""
@@ -162,7 +162,7 @@ class Indexer(nn.Module):
             return compressed
         keys, _ = backend.compressed(layer_id, "indexer", self.compressor, rows)  # [G, E, dI] or cache handles
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(q, rope)
         w = xs["idx_w"]  # [N, nI]
         return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
@@ -206,7 +206,7 @@ class Attention(nn.Module):
     def init_tables(self, device=None, shared: dict | None = None):
         """(Re)compute the rope table on ``device`` (after loading weights built on the meta device). Layers
         given the same ``shared`` dict hold one tensor per distinct table, so ``step_rope`` computes each
-        table's cos/sin once per step."""
+        table's ``Rope`` once per step."""
         table = layer_inv_freq(self.cfg, self.compress_ratio).to(device)
         if shared is not None:
             table = shared.setdefault((tuple(table.shape), tuple(table.tolist())), table)
@@ -223,13 +223,13 @@ class Attention(nn.Module):
         D = cfg.head_dim
         H = self.wq_b.weight.shape[0] // D
         g = self.wo_a.weight.shape[0] // cfg.o_lora_rank
-        cos, sin = step_rope(backend, self.inv_freq)  # [N, R/2]
+        rope = step_rope(backend, self.inv_freq)  # the step's angles
 
         xs = self.project_input(x)
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
-        q = rms_norm_rope(q, None, cfg.norm_eps, cos, sin)  # per-head unweighted norm, then rope
-        kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [N, D]: the K=V head
+        q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
+        kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope)  # [N, D]: the K=V head
 
         window = backend.window(self.layer_id, kv)
         compressed = None
@@ -237,10 +237,10 @@ class Attention(nn.Module):
             rows = self.compressor.project(xs["comp_kv"], xs["comp_gate"], backend.positions)
             compressed = backend.compressed(self.layer_id, "main", self.compressor, rows)
             if self.indexer is not None:
-                compressed = self.indexer.select(xs, c_q, cos, sin, compressed, backend, self.layer_id)
+                compressed = self.indexer.select(xs, c_q, rope, compressed, backend, self.layer_id)
 
         o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
-        o = apply_rope(backend.ungroup(o), cos, sin, inverse=True)  # de-rotate: values carried rope too
+        o = apply_rope(backend.ungroup(o), rope, inverse=True)  # de-rotate: values carried rope too
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
         o = grouped_linear(o, wo_a, self.wo_a.weight_scale)  # [N, g, o_lora]

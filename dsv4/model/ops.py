@@ -39,33 +39,56 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x (pairs (2i, 2i+1)); ``inverse`` uses -angle.
+class Rope:
+    """The RoPE angles of N rows: position * table, positions [N] (integers), table [R/2] fp32 (a layer's
+    ``inv_freq``). The kernels compute the angles' cos/sin themselves from these two; the torch lines take
+    ``cos_sin()``, computed on first use and kept (a step's rope is shared by its layers, ``step_rope``)."""
 
-    x: [N, ..., D]; cos/sin: [N, R/2] (broadcast over the middle dims). On CUDA one Triton kernel does it
-    (``dsv4.kernels.rope``); the lines below are its twin.
+    __slots__ = ("table", "positions", "_cos_sin")
+
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor):
+        self.table, self.positions, self._cos_sin = table, positions, None
+
+    @property
+    def half(self) -> int:
+        """R/2: rotated pairs per row."""
+        return self.table.shape[-1]
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [N, R/2] fp32 (``rope_cos_sin``)."""
+        if self._cos_sin is None:
+            self._cos_sin = rope_cos_sin(self.table, self.positions)
+        return self._cos_sin
+
+
+def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2*rope.half channels of x (pairs (2i, 2i+1)) by the rows' angles; ``inverse`` uses
+    -angle.
+
+    x: [N, ..., D] (the angles broadcast over the middle dims). On CUDA one Triton kernel does it
+    (``dsv4.kernels.rope``, angles included); the lines below are its twin.
     """
-    if x.is_cuda and rope_kernel.usable(x, cos):
-        return rope_kernel.apply_rope(x, cos, sin, inverse)
-    half = cos.shape[-1]
-    nope, rope = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
-    while cos.dim() < rope.dim():  # [N, R/2] -> [N, 1.., R/2]
+    if x.is_cuda and rope_kernel.usable(x, rope.table, rope.positions):
+        return rope_kernel.apply_rope(x, rope.table, rope.positions, inverse)
+    cos, sin = rope.cos_sin()
+    half = rope.half
+    nope, rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    while cos.dim() < rot.dim():  # [N, R/2] -> [N, 1.., R/2]
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
         sin = -sin
-    pairs = rope.float().unflatten(-1, (half, 2))  # [..., R/2, 2]
+    pairs = rot.float().unflatten(-1, (half, 2))  # [..., R/2, 2]
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
 
 
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope(rms_norm(x, weight, eps), cos, sin)``: one kernel on CUDA (``dsv4.kernels.norm``); the
-    composition is its twin."""
-    if x.is_cuda and norm_kernel.rope_usable(x, cos):
-        return norm_kernel.rms_norm_rope(x, weight, eps, cos, sin)
-    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), rope)``: one kernel on CUDA (``dsv4.kernels.norm``, angles
+    included); the composition is its twin."""
+    if x.is_cuda and norm_kernel.rope_usable(x, rope.table, rope.positions):
+        return norm_kernel.rms_norm_rope(x, weight, eps, rope.table, rope.positions)
+    return apply_rope(rms_norm(x, weight, eps), rope)
 
 
 def pool_windows(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
