@@ -541,3 +541,33 @@ def test_rms_norm_rope_kernel_matches_twin(dtype, shape, R, weighted):
     assert out.dtype == dtype and out.shape == x.shape and torch.isfinite(out).all()
     assert rel_err(out.cpu(), ref) < tol
     assert rel_err(out, gpu) < tol  # the norm's rsqrt differs (F.rms_norm there), the rope's cos and sin do not
+
+
+@pytest.mark.parametrize("x_dtype, out_dtype, D, R", [(torch.float32, torch.bfloat16, 512, 64),
+                                                      (torch.float32, torch.bfloat16, 128, 64),
+                                                      (torch.bfloat16, torch.bfloat16, 512, 64),
+                                                      (torch.float32, torch.float32, 512, 64),
+                                                      (torch.bfloat16, torch.float32, 128, 64)])
+def test_rms_norm_rope_stores_into_cache_rows(x_dtype, out_dtype, D, R):
+    """The norm-rope kernel storing its rows into a cache (compressor entries, index keys, the window ring):
+    the same bits as its own rows scattered by index_copy_ in the cache's dtype, rows not named untouched, and
+    the torch twin (kernels off, same cos and sin) within rounding."""
+    from dsv4.model.ops import Rope, rms_norm_rope
+
+    g = torch.Generator(device="cuda").manual_seed(D + R)
+    N, cap = 9, 40
+    x = torch.randn(N, D, device="cuda", generator=g).to(x_dtype)
+    w = torch.rand(D, device="cuda", generator=g) + 0.5
+    rope = _rope_inputs(N, R, g)
+    rows = torch.randperm(cap - 1, device="cuda", generator=g)[:N] + 1
+    rows[-3:] = 0  # padding: repeats on the null row
+    cache = torch.full((cap, D), 3.0, device="cuda", dtype=out_dtype)
+    assert rms_norm_rope(x, w, 1e-6, rope, cache, rows) is None
+    mine = rms_norm_rope(x, w, 1e-6, rope)
+    want = torch.full_like(cache, 3.0).index_copy_(0, rows[:-3], mine[:-3].to(out_dtype))
+    assert torch.equal(cache[1:], want[1:])
+    assert any(torch.equal(cache[0], mine[i].to(out_dtype)) for i in range(N - 3, N))
+    twin = torch.full_like(cache, 3.0)
+    _kernels_off(lambda: rms_norm_rope(x, w, 1e-6, Rope(rope.table, rope.positions), twin, rows))
+    tol = 1e-2 if torch.bfloat16 in (x_dtype, out_dtype) else 1e-6
+    assert rel_err(cache[1:], twin[1:]) < tol

@@ -152,6 +152,17 @@ class CacheStorage:
     def write_entries(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         self._write(self.entries[l], self.entry_scale[l], rows, values)
 
+    def plain_rows(self, l: int, name: str) -> torch.Tensor | None:
+        """Layer l's entries (name "main") or index keys ("indexer") when their rows are stored as computed
+        (no FP8 scales), so a kernel may store them itself; else None."""
+        if name == "main":
+            return self.entries[l] if self.entry_scale[l] is None else None
+        return self.index_keys[l]
+
+    def plain_swa(self, l: int) -> torch.Tensor | None:
+        """Layer l's window ring when its rows are stored as computed (no FP8 scales), else None."""
+        return self.swa[l] if self.swa_scale[l] is None else None
+
     def read_index_keys(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self.index_keys[l][rows]
 

@@ -50,6 +50,9 @@ class CachedBackend:
     def ungroup(self, x: torch.Tensor) -> torch.Tensor:
         return x.squeeze(1)
 
+    def kv_destination(self, layer_id: int) -> None:
+        """None: the window's gather reads this step's kv before the ring is written."""
+
     def window(self, layer_id: int, kv: torch.Tensor):
         st = self.storage
         keys = st.gather_swa(layer_id, kv, self.swa_read, self.swa_valid)  # [N, W, D]; reads before writes
@@ -75,17 +78,22 @@ class CachedBackend:
                                     f" {sorted(self.ratio_tables)}); build it with CachedBackend.for_step(plan,"
                                     " storage) from a plan of the same cache layout")
         state = st.state[layer_id] if name == "main" else st.index_state[layer_id]  # [rows, 2*coff*D'] fp32
+        entries = None
         if pool_kernel.usable(state):  # one kernel reads the window rows in place; the lines below are its twin
             pooled = pool_kernel.pool_rows(state, step_rows, t.win_rows, t.win_valid, comp.ratio, comp.coff,
                                            comp.head_dim)
-            entries = comp.finish(pooled, t.win_pos)
+            plain = st.plain_rows(layer_id, name)
+            if plain is None:
+                entries = comp.finish(pooled, t.win_pos)
+            else:  # the norm-rope kernel stores the entries in the cache itself
+                comp.finish(pooled, t.win_pos, plain, t.win_write)
         else:
             rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
             kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
             entries = comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos)  # [M, D']
         state[t.state_write] = step_rows
-        if name == "main":
+        if entries is not None and name == "main":
             st.write_entries(layer_id, t.win_write, entries)
-        else:
+        elif entries is not None:
             st.write_index_keys(layer_id, t.win_write, entries)
         return t

@@ -79,8 +79,15 @@ class CudaBackend(CachedBackend):
         # bf16, fp32 and FP8 caches (the kernel dequantises FP8 rows), unless the kernels are switched off
         return storage.device.type == "cuda" and kernels.enabled()
 
-    def window(self, layer_id: int, kv: torch.Tensor):
-        self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
+    def kv_destination(self, layer_id: int):
+        """The ring and this step's rows, unless the ring is FP8 (its rows are quantised on writing): the kv
+        norm-rope kernel stores the rows there (write first: safe in decode-like steps)."""
+        ring = self.storage.plain_swa(layer_id)
+        return None if ring is None else (ring, self.swa_write)
+
+    def window(self, layer_id: int, kv: torch.Tensor | None):
+        if kv is not None:  # an FP8 ring (else kv_destination took the rows)
+            self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
         return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid, self.storage.swa_scale[layer_id])
 
     def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
@@ -111,6 +118,9 @@ class CudaBackend(CachedBackend):
 class PrefillCudaBackend(CudaBackend):
     """Any step on the kernels, prefill chunks of any length included: the window keys are read from a copy of
     the ring with the step's rows appended (``CacheStorage.swa_with_step_rows``), so reads precede writes."""
+
+    def kv_destination(self, layer_id: int) -> None:
+        """None: the window copy appends this step's kv before the ring is written."""
 
     def window(self, layer_id: int, kv: torch.Tensor):
         st = self.storage

@@ -4,7 +4,8 @@ is the CPU branch of ``dsv4.model.ops.rms_norm`` (float, square, mean, rsqrt, tw
 ``rms_norm_rope`` fuses the RoPE that follows every norm of a key or query (q per head, the K=V head, the
 compressors' entries): the normed row is rounded to the input dtype, then rotated in fp32 like
 ``dsv4.kernels.rope`` (angles computed in the kernel, no fused multiply-adds), then rounded again; its twin is
-``apply_rope(rms_norm(x, w, eps), rope)``. Even and odd channels are loaded as two halves, so a pair's
+``apply_rope(rms_norm(x, w, eps), rope)``. It can store its rows straight into a cache's rows (``out_rows``),
+which saves the scatter and the cast that would follow it. Even and odd channels are loaded as two halves, so a pair's
 partner is in registers."""
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh, eps,
-                              D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, ROWS, Hm, stride_xn, stride_xh, stride_on, stride_oh, eps,
+                              D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+                              SCATTER: tl.constexpr):
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         i = tl.arange(0, D // 2)  # pair (2i, 2i+1)
@@ -48,17 +50,21 @@ if HAVE_TRITON:
         if HAS_W:
             a = tl.load(W + 2 * i).to(tl.float32)[None, :] * a
             b = tl.load(W + 2 * i + 1).to(tl.float32)[None, :] * b
-        a = a.to(OUT.dtype.element_ty).to(tl.float32)  # the norm's rounding, as in the two-kernel path
-        b = b.to(OUT.dtype.element_ty).to(tl.float32)
+        a = a.to(X.dtype.element_ty).to(tl.float32)  # the norm's rounding, as in the two-kernel path
+        b = b.to(X.dtype.element_ty).to(tl.float32)
         in_rope = i >= (D - R) // 2
         j = tl.where(in_rope, i - (D - R) // 2, 0)
         cs, sn = angles(POS, FREQ, n, j, in_rope)
         cs, sn = cs[None, :], sn[None, :]
         ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
         rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
-        dst = OUT + n * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
-        tl.store(dst, ra.to(OUT.dtype.element_ty), mask=m)
-        tl.store(dst + 1, rb.to(OUT.dtype.element_ty), mask=m)
+        if SCATTER:  # row n goes to OUT[ROWS[n]] (a cache's rows, in its dtype)
+            dst = OUT + tl.load(ROWS + n).to(tl.int64) * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
+        else:
+            dst = OUT + n * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
+        # rounded to x's dtype, as the twin's rows; then, stored in a cache of another dtype, to that one
+        tl.store(dst, ra.to(X.dtype.element_ty).to(OUT.dtype.element_ty), mask=m)
+        tl.store(dst + 1, rb.to(X.dtype.element_ty).to(OUT.dtype.element_ty), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -82,15 +88,29 @@ def rope_usable(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -
     return angles_fit(x, table, positions) and x.numel() > 0 and D >= 2 and D & (D - 1) == 0
 
 
+def scatter_usable(x: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor) -> bool:
+    """``rms_norm_rope(..., out, out_rows)``'s case: x [N, D] rows stored to rows of out [R, D] (unit stride
+    along D, a float dtype) given by out_rows [N] integers on x's device."""
+    return (x.dim() == 2 and out.dim() == 2 and out.shape[1] == x.shape[1] and out.stride(1) == 1
+            and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out_rows.dim() == 1
+            and out_rows.shape[0] == x.shape[0] and not out_rows.is_floating_point()
+            and out.device == out_rows.device == x.device)
+
+
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, table: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor, out: torch.Tensor | None = None,
+                  out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The normed, roped rows; or, given ``out`` and ``out_rows`` (``scatter_usable``), nothing: row i is
+    stored to ``out[out_rows[i]]`` in out's dtype (one rounding of the fp32 rope, as ``index_copy_`` of the
+    rows ``.to(out.dtype)``). Rows that repeat in out_rows (padding's null row) get one of their values."""
     N, D = x.shape[0], x.shape[-1]
-    x3, table, positions, out = rows_by_head(x, table, positions)
+    x3, table, positions, res = rows_by_head(x, table, positions, alloc_out=out is None)
     Hm = x3.shape[1]
     BLOCK_H = max(1, min(triton.next_power_of_2(Hm), 4096 // D))
     w = weight.contiguous() if weight is not None else x3
+    dst, rows = (res, x3) if out is None else (out, out_rows.contiguous())  # x3: an unused pointer
     _rms_norm_rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
-        x3, w, positions, table, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), eps,
-        D=D, R=2 * table.shape[-1], HAS_W=weight is not None, BLOCK_H=BLOCK_H, enable_fp_fusion=False,
-        num_warps=4 if BLOCK_H * D <= 2048 else 8)
-    return out.view(x.shape)
+        x3, w, positions, table, dst, rows, Hm, x3.stride(0), x3.stride(1), dst.stride(0),
+        res.stride(1) if out is None else 0, eps, D=D, R=2 * table.shape[-1], HAS_W=weight is not None,
+        BLOCK_H=BLOCK_H, SCATTER=out is not None, enable_fp_fusion=False, num_warps=4 if BLOCK_H * D <= 2048 else 8)
+    return res.view(x.shape) if out is None else None

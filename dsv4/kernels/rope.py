@@ -61,15 +61,15 @@ def angles_fit(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) ->
             and 2 * table.shape[0] <= x.shape[-1] and positions.device == x.device == table.device)
 
 
-def rows_by_head(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor):
+def rows_by_head(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, alloc_out: bool = True):
     """x [N, ..., D] as [N, Hm, D] with unit stride along D, the table and positions contiguous, and an empty
-    output of that shape: the launch arguments of this kernel and of the fused norm + rope
-    (``dsv4.kernels.norm``)."""
+    output of that shape (None unless ``alloc_out``): the launch arguments of this kernel and of the fused norm +
+    rope (``dsv4.kernels.norm``)."""
     x3 = x.reshape(x.shape[0], -1, x.shape[-1])
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     return (x3, table.contiguous(), positions.contiguous(),
-            torch.empty(x3.shape, dtype=x.dtype, device=x.device))
+            torch.empty(x3.shape, dtype=x.dtype, device=x.device) if alloc_out else None)
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -35,8 +35,14 @@ class AttentionBackend(Protocol):
     def ungroup(self, x: torch.Tensor) -> torch.Tensor:
         """[G, Tq, ...] -> [N, ...]"""
 
-    def window(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's kv [N, D] -> sliding-window keys [G, K, D] and visibility [G, Tq, K]."""
+    def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cache rows [R, D], this step's rows [N]) where the kernel that makes this step's kv may store it,
+        for a backend that reads the window from the cache after writing it; then ``window`` gets None for
+        kv. None: the backend takes kv itself."""
+
+    def window(self, layer_id: int, kv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's kv [N, D] (None: already stored at ``kv_destination``) -> sliding-window keys [G, K, D]
+        and visibility [G, Tq, K]."""
 
     def compressed(self, layer_id: int, name: str, comp: "Compressor",
                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,9 +142,12 @@ class Compressor(nn.Module):
             score_rows = torch.cat((score_rows[:, :r, :D], score_rows[:, r:, D:]), dim=1)
         return self.finish(pool_windows(kv_rows, score_rows, valid), window_pos)
 
-    def finish(self, pooled: torch.Tensor, window_pos: torch.Tensor) -> torch.Tensor:
-        """Pooled windows [M, D] -> entries: the compressor's RMSNorm, then RoPE at the window start."""
-        return rms_norm_rope(pooled, self.norm.weight, self.norm.eps, Rope(self.inv_freq, window_pos))
+    def finish(self, pooled: torch.Tensor, window_pos: torch.Tensor, out: torch.Tensor | None = None,
+               out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Pooled windows [M, D] -> entries: the compressor's RMSNorm, then RoPE at the window start; given a
+        cache's rows ``out`` and ``out_rows`` [M], stored there instead (``ops.rms_norm_rope``)."""
+        return rms_norm_rope(pooled, self.norm.weight, self.norm.eps, Rope(self.inv_freq, window_pos), out,
+                             out_rows)
 
 
 class Indexer(nn.Module):
@@ -229,7 +238,9 @@ class Attention(nn.Module):
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
         q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
-        kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope)  # [N, D]: the K=V head
+        # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
+        kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
+                           *(backend.kv_destination(self.layer_id) or ()))
 
         window = backend.window(self.layer_id, kv)
         compressed = None

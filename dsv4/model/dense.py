@@ -30,6 +30,9 @@ class DenseBackend:
     attend = staticmethod(attend_gathered)
     select_top = staticmethod(select_top_gathered)
 
+    def kv_destination(self, layer_id: int) -> None:
+        """None: the window is this step's kv itself."""
+
     def window(self, layer_id: int, kv: torch.Tensor):
         return self.group(kv), self._window_mask
 

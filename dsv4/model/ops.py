@@ -83,12 +83,20 @@ def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tens
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
 
 
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope) -> torch.Tensor:
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope,
+                  out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """``apply_rope(rms_norm(x, weight, eps), rope)``: one kernel on CUDA (``dsv4.kernels.norm``, angles
-    included); the composition is its twin."""
-    if x.is_cuda and norm_kernel.rope_usable(x, rope.table, rope.positions):
-        return norm_kernel.rms_norm_rope(x, weight, eps, rope.table, rope.positions)
-    return apply_rope(rms_norm(x, weight, eps), rope)
+    included); the composition is its twin. Given ``out`` [R, D] and ``out_rows`` [N] (a cache's rows and where
+    this step's go), it returns nothing and stores row i at ``out[out_rows[i]]`` in out's dtype: on CUDA the
+    kernel's own stores, no scatter or cast after it."""
+    if x.is_cuda and norm_kernel.rope_usable(x, rope.table, rope.positions) and (
+            out is None or norm_kernel.scatter_usable(x, out, out_rows)):
+        return norm_kernel.rms_norm_rope(x, weight, eps, rope.table, rope.positions, out, out_rows)
+    y = apply_rope(rms_norm(x, weight, eps), rope)
+    if out is None:
+        return y
+    out.index_copy_(0, out_rows.reshape(-1), y.reshape((-1,) + tuple(out.shape[1:])).to(out.dtype))
+    return None
 
 
 def pool_windows(kv: torch.Tensor, score: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
