@@ -189,3 +189,33 @@ def test_prefill_graph_buckets(kernel_path_on_cpu):
     none = LLM("tiny", max_batch_size=2, max_num_tokens=300, max_seq_len=256, warmup=False,
                kv_cache_config={"max_tokens": 4096}, cuda_graph_config={"prefill_token_sizes": []}).engine.runner.graphs
     assert none.prefill_tokens == [] and none.prefill_bucket_for(1, [40]) is None
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_state_rows_written_first_are_never_pooled_in_the_same_step(kernel_path_on_cpu, k, monkeypatch):
+    """The decode-like backend stores a step's compressor rows into the state ring before the closing windows
+    are pooled (``CudaBackend.state_destination``): no ring row a window of the step pools is one the step
+    wrote, whatever the draft length; and the tokens equal the torch path's (which pools, then writes)."""
+    checked = []
+    real = cuda_backend.CudaBackend.state_destination
+
+    def spy(self, layer_id, name, ratio):
+        dest = real(self, layer_id, name, ratio)
+        if dest is not None:
+            state, rows = dest
+            t = self.ratio_tables[ratio]
+            pooled = t.win_rows[t.win_valid & (t.win_rows < state.shape[0])]  # ring rows (not the step's own)
+            written = rows[rows >= self.storage.layout.state_cap(ratio)]  # past the null slot's rows
+            assert not set(pooled.tolist()) & set(written.tolist()), (layer_id, name, ratio)
+            checked.append(int(t.win_valid.any()))
+        return dest
+
+    monkeypatch.setattr(cuda_backend.CudaBackend, "state_destination", spy)
+    rng = random.Random(k)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (3, 17, 64, 150)]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              warmup=False, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+    ref = [o.outputs[0].token_ids for o in LLM("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
+    assert [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)] == ref
+    assert sum(checked) > 10  # steps that closed windows

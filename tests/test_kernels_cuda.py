@@ -446,6 +446,14 @@ def test_compressor_rows_kernel_matches_twin(dtype, ratio, C):
     _poison_allocator(N * 2 * C, torch.float32)
     out = project_rows(kv, gate, ape, pos, ratio)
     assert torch.equal(out.cpu(), ref)
+    # the decode-like backend's case: the rows also stored into the state ring (padding repeats on row 0)
+    state = torch.full((N + 20, 2 * C), 5.0, device="cuda")
+    rows = torch.randperm(N + 19, device="cuda", generator=g)[:N] + 1
+    rows[-4:] = 0
+    assert torch.equal(project_rows(kv, gate, ape, pos, ratio, state, rows).cpu(), ref)
+    want = torch.full_like(state, 5.0).cpu()
+    want[rows[:-4].cpu()] = ref[:-4]
+    assert torch.equal(state[1:].cpu(), want[1:]) and any(torch.equal(state[0].cpu(), r) for r in ref[-4:])
 
 
 @pytest.mark.parametrize("N, k", [(1, 6), (33, 6), (7, 2)])

@@ -68,6 +68,9 @@ class CachedBackend:
             visible = st.gather_index_keys(layer_id, t.entry_rows, t.entry_valid)
         return visible, t.entry_valid.unsqueeze(1)
 
+    def state_destination(self, layer_id: int, name: str, ratio: int) -> None:
+        """None: the windows are pooled from the ring as it was before this step, then the step's rows written."""
+
     def write_compressed(self, layer_id: int, name: str, comp: Compressor, step_rows: torch.Tensor):
         """Write this step's compressor-state rows and the entries of the windows closing in this step;
         returns the ratio's tables."""
@@ -91,7 +94,8 @@ class CachedBackend:
             rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
             kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
             entries = comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos)  # [M, D']
-        state[t.state_write] = step_rows
+        if self.state_destination(layer_id, name, comp.ratio) is None:  # else the projection stored them
+            state[t.state_write] = step_rows
         if entries is not None and name == "main":
             st.write_entries(layer_id, t.win_write, entries)
         elif entries is not None:

@@ -4,7 +4,9 @@ In a step where every request adds at most 1 + max_draft_len tokens (decode, ver
 a token's new window row can be written to the ring BEFORE the attention reads it: a write at position p
 only overwrites position p - swa_cap, which no query of the same step needs (queries of the step are at
 most max_draft_len positions apart, and swa_cap = window + max_draft_len). So the window is plain ring
-rows and the kernel reads the ring and the compressed entries where they lie.
+rows and the kernel reads the ring and the compressed entries where they lie. The K=V head's norm-rope kernel
+stores the rows there itself (``kv_destination``), and the compressor projection stores its rows in the
+compressor-state ring before the closing windows are pooled (``state_destination``, by the same argument).
 
 Longer prefill chunks (``PrefillCudaBackend``) would overwrite ring rows their own earlier queries still read,
 so their window is read from the plan's combined index space (ring rows, then the step's rows) made one tensor:
@@ -85,6 +87,17 @@ class CudaBackend(CachedBackend):
         ring = self.storage.plain_swa(layer_id)
         return None if ring is None else (ring, self.swa_write)
 
+    def state_destination(self, layer_id: int, name: str, ratio: int):
+        """The compressor-state ring and this step's rows: written first, as the window ring. In a decode-like
+        step a token at position p overwrites the row of p - state_cap = p - coff*ratio - max_draft_len, older
+        than every row a window closing in this step pools (from p0 - coff*ratio + 1 on, p0 the request's first
+        position in the step, p <= p0 + max_draft_len)."""
+        t = self.ratio_tables.get(ratio)
+        if t is None:
+            return None  # compressed() names the missing tables
+        st = self.storage
+        return (st.state[layer_id] if name == "main" else st.index_state[layer_id]), t.state_write
+
     def window(self, layer_id: int, kv: torch.Tensor | None):
         if kv is not None:  # an FP8 ring (else kv_destination took the rows)
             self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
@@ -121,6 +134,9 @@ class PrefillCudaBackend(CudaBackend):
 
     def kv_destination(self, layer_id: int) -> None:
         """None: the window copy appends this step's kv before the ring is written."""
+
+    def state_destination(self, layer_id: int, name: str, ratio: int) -> None:
+        """None: a long chunk's writes may reuse state rows its own earlier windows pool."""
 
     def window(self, layer_id: int, kv: torch.Tensor):
         st = self.storage

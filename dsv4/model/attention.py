@@ -54,6 +54,11 @@ class AttentionBackend(Protocol):
         """What ``compressed`` writes to the cache, without reading the entries back (a backend without a
         cache does nothing)."""
 
+    def state_destination(self, layer_id: int, name: str, ratio: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(compressor-state ring, this step's rows [N]) where ``Compressor.project`` may store the step's rows,
+        for a backend that pools windows after the ring is written; then ``compressed`` does not write them
+        again. None: ``compressed`` writes them after pooling."""
+
     def select_top(self, compressed, q: torch.Tensor, w: torch.Tensor, keys, k: int):
         """The lightning indexer's top-k: ``compressed`` (what ``compressed(.., "main", ..)`` returned), the
         indexer's roped queries q [G, Tq, nI, dI], head weights w [G, Tq, nI] and ``keys`` (what
@@ -118,14 +123,19 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
         self.inv_freq: torch.Tensor | None = None  # the layer's rope table, set by the attention layer
 
-    def project(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
+                state: torch.Tensor | None = None, state_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``wkv(x)``, ``wgate(x)`` -> per-token rows [N, 2*coff*D] fp32: kv, then score = gate + ape[pos %
-        ratio] (the layout of the compressor-state ring). On CUDA one kernel writes them
-        (``dsv4.kernels.project``); the lines below are its twin."""
+        ratio] (the layout of the compressor-state ring), also stored at ``state[state_rows]`` when given (a
+        backend's ``state_destination``). On CUDA one kernel writes them (``dsv4.kernels.project``); the lines
+        below are its twin."""
         if project_kernel.usable(kv):
-            return project_kernel.project_rows(kv, gate, self.ape, positions, self.ratio)
+            return project_kernel.project_rows(kv, gate, self.ape, positions, self.ratio, state, state_rows)
         score = gate.float() + self.ape.float()[positions % self.ratio]
-        return torch.cat((kv.float(), score), dim=-1)
+        rows = torch.cat((kv.float(), score), dim=-1)
+        if state is not None:
+            state.index_copy_(0, state_rows, rows)
+        return rows
 
     def pool(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, valid: torch.Tensor,
              window_pos: torch.Tensor) -> torch.Tensor:
@@ -165,7 +175,8 @@ class Indexer(nn.Module):
         """``xs``: the layer's input projections (``Attention.project_input``); ``compressed``: the layer's
         (entries, visibility [G, Tq, E]) from ``backend.compressed`` -> the same with only each query's top-k
         visible entries left (``backend.select_top``)."""
-        rows = self.compressor.project(xs["idx_kv"], xs["idx_gate"], backend.positions)
+        rows = self.compressor.project(xs["idx_kv"], xs["idx_gate"], backend.positions,
+                                       *(backend.state_destination(layer_id, "indexer", self.compressor.ratio) or ()))
         if compressed[1].shape[-1] <= self.topk:  # at most top-k entries exist: all visible ones are selected
             backend.write_compressed(layer_id, "indexer", self.compressor, rows)  # later steps need them
             return compressed
@@ -245,7 +256,9 @@ class Attention(nn.Module):
         window = backend.window(self.layer_id, kv)
         compressed = None
         if self.compressor is not None:
-            rows = self.compressor.project(xs["comp_kv"], xs["comp_gate"], backend.positions)
+            rows = self.compressor.project(xs["comp_kv"], xs["comp_gate"], backend.positions,
+                                           *(backend.state_destination(self.layer_id, "main", self.compressor.ratio)
+                                             or ()))
             compressed = backend.compressed(self.layer_id, "main", self.compressor, rows)
             if self.indexer is not None:
                 compressed = self.indexer.select(xs, c_q, rope, compressed, backend, self.layer_id)

@@ -39,6 +39,9 @@ class DenseBackend:
     def write_compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor) -> None:
         """Nothing: the dense path keeps no cache."""
 
+    def state_destination(self, layer_id: int, name: str, ratio: int) -> None:
+        """None: no cache."""
+
     def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
         kv, score = rows.chunk(2, dim=-1)
         r, B, T = comp.ratio, self.B, self.T
