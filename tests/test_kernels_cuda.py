@@ -555,27 +555,43 @@ def test_rms_norm_rope_kernel_matches_twin(dtype, shape, R, weighted):
                                                       (torch.float32, torch.bfloat16, 128, 64),
                                                       (torch.bfloat16, torch.bfloat16, 512, 64),
                                                       (torch.float32, torch.float32, 512, 64),
-                                                      (torch.bfloat16, torch.float32, 128, 64)])
+                                                      (torch.bfloat16, torch.float32, 128, 64),
+                                                      (torch.bfloat16, "fp8", 512, 64),
+                                                      (torch.float32, "fp8", 512, 64)])
 def test_rms_norm_rope_stores_into_cache_rows(x_dtype, out_dtype, D, R):
-    """The norm-rope kernel storing its rows into a cache (compressor entries, index keys, the window ring):
-    the same bits as its own rows scattered by index_copy_ in the cache's dtype, rows not named untouched, and
-    the torch twin (kernels off, same cos and sin) within rounding."""
+    """The norm-rope kernel storing its rows into a cache (compressor entries, index keys, the window ring;
+    FP8 caches quantised with their scales): the same bits as its own rows stored by ``store_rows`` (index_copy_
+    in the cache's dtype, or quantize_fp8), rows not named untouched, and the torch twin (kernels off, same
+    cos and sin) within rounding."""
+    from dsv4.kernels.fp8 import FP8, dequantize_fp8, store_rows
     from dsv4.model.ops import Rope, rms_norm_rope
 
     g = torch.Generator(device="cuda").manual_seed(D + R)
-    N, cap = 9, 40
-    x = torch.randn(N, D, device="cuda", generator=g).to(x_dtype)
+    N, cap, fp8 = 9, 40, out_dtype == "fp8"
+    x = (3 * torch.randn(N, D, device="cuda", generator=g)).to(x_dtype)
+    x[2, 64:128] = 0  # an FP8 block of zeros: scale 0
     w = torch.rand(D, device="cuda", generator=g) + 0.5
     rope = _rope_inputs(N, R, g)
     rows = torch.randperm(cap - 1, device="cuda", generator=g)[:N] + 1
     rows[-3:] = 0  # padding: repeats on the null row
-    cache = torch.full((cap, D), 3.0, device="cuda", dtype=out_dtype)
-    assert rms_norm_rope(x, w, 1e-6, rope, cache, rows) is None
+
+    def cache():
+        data = torch.zeros(cap, D, device="cuda", dtype=FP8 if fp8 else out_dtype)
+        return data, (torch.full((cap, D // 64), 3.0, device="cuda") if fp8 else None)
+
+    def read(c):  # a cache's rows as float (FP8: dequantised)
+        return dequantize_fp8(c[0], c[1], torch.float32) if fp8 else c[0].float()
+
+    got, want, twin = cache(), cache(), cache()
+    assert rms_norm_rope(x, w, 1e-6, rope, got[0], rows, got[1]) is None
     mine = rms_norm_rope(x, w, 1e-6, rope)
-    want = torch.full_like(cache, 3.0).index_copy_(0, rows[:-3], mine[:-3].to(out_dtype))
-    assert torch.equal(cache[1:], want[1:])
-    assert any(torch.equal(cache[0], mine[i].to(out_dtype)) for i in range(N - 3, N))
-    twin = torch.full_like(cache, 3.0)
-    _kernels_off(lambda: rms_norm_rope(x, w, 1e-6, Rope(rope.table, rope.positions), twin, rows))
-    tol = 1e-2 if torch.bfloat16 in (x_dtype, out_dtype) else 1e-6
-    assert rel_err(cache[1:], twin[1:]) < tol
+    store_rows(want[0], want[1], rows[:-3], mine[:-3])
+    bits = lambda t: t[1:].view(torch.uint8) if t.dtype == FP8 else t[1:]  # noqa: E731 (no FP8 torch.equal)
+    assert torch.equal(bits(got[0]), bits(want[0])) and (not fp8 or torch.equal(got[1][1:], want[1][1:]))
+    one = [cache() for _ in range(3)]
+    for c, i in zip(one, range(N - 3, N)):
+        store_rows(c[0], c[1], rows[i:i + 1], mine[i:i + 1])
+    assert any(torch.equal(read(got)[0], read(c)[0]) for c in one)
+    _kernels_off(lambda: rms_norm_rope(x, w, 1e-6, Rope(rope.table, rope.positions), twin[0], rows, twin[1]))
+    tol = 7e-2 if fp8 else 1e-2 if torch.bfloat16 in (x_dtype, out_dtype) else 1e-6
+    assert rel_err(read(got)[1:], read(twin)[1:]) < tol

@@ -22,7 +22,7 @@ import torch
 from dsv4.cache import ops
 from dsv4.cache.layout import CacheConfigError, CacheLayout
 from dsv4.config import CSA_RATIO
-from dsv4.kernels.fp8 import FP8, dequantize_fp8, num_scale_blocks, quantize_fp8
+from dsv4.kernels.fp8 import FP8, dequantize_fp8, num_scale_blocks, quantize_fp8, store_rows
 
 KV_DTYPES = ("auto", "bf16", "fp32", "fp16", "fp64", "fp8")
 
@@ -132,13 +132,7 @@ class CacheStorage:
         return dequantize_fp8(q, scale[flat], self.dtype).reshape(tuple(rows.shape) + (data.shape[1],))
 
     def _write(self, data, scale, rows, values):
-        if scale is None:
-            ops.scatter_rows(data, rows, values)
-            return
-        rows = rows.reshape(-1)
-        q, s = quantize_fp8(values.reshape(rows.shape[0], values.shape[-1]))
-        data.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))
-        scale.index_copy_(0, rows, s)
+        store_rows(data, scale, rows, values)
 
     def read_swa(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self._read(self.swa[l], self.swa_scale[l], rows)
@@ -152,16 +146,12 @@ class CacheStorage:
     def write_entries(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         self._write(self.entries[l], self.entry_scale[l], rows, values)
 
-    def plain_rows(self, l: int, name: str) -> torch.Tensor | None:
-        """Layer l's entries (name "main") or index keys ("indexer") when their rows are stored as computed
-        (no FP8 scales), so a kernel may store them itself; else None."""
+    def entry_rows(self, l: int, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer l's entries (name "main", with their FP8 scales or None) or index keys ("indexer", never FP8):
+        where a kernel may store this step's rows (``kernels.fp8.store_rows``' format)."""
         if name == "main":
-            return self.entries[l] if self.entry_scale[l] is None else None
-        return self.index_keys[l]
-
-    def plain_swa(self, l: int) -> torch.Tensor | None:
-        """Layer l's window ring when its rows are stored as computed (no FP8 scales), else None."""
-        return self.swa[l] if self.swa_scale[l] is None else None
+            return self.entries[l], self.entry_scale[l]
+        return self.index_keys[l], None
 
     def read_index_keys(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self.index_keys[l][rows]

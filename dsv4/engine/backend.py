@@ -15,6 +15,7 @@ import torch
 from ..cache.ops import gather_combined
 from ..cache.storage import CacheStorage
 from ..kernels import pool as pool_kernel
+from ..kernels.fp8 import store_rows
 from ..model.attention import Compressor, attend_gathered, select_top_gathered
 
 
@@ -81,23 +82,15 @@ class CachedBackend:
                                     f" {sorted(self.ratio_tables)}); build it with CachedBackend.for_step(plan,"
                                     " storage) from a plan of the same cache layout")
         state = st.state[layer_id] if name == "main" else st.index_state[layer_id]  # [rows, 2*coff*D'] fp32
-        entries = None
+        data, scale = st.entry_rows(layer_id, name)
         if pool_kernel.usable(state):  # one kernel reads the window rows in place; the lines below are its twin
             pooled = pool_kernel.pool_rows(state, step_rows, t.win_rows, t.win_valid, comp.ratio, comp.coff,
                                            comp.head_dim)
-            plain = st.plain_rows(layer_id, name)
-            if plain is None:
-                entries = comp.finish(pooled, t.win_pos)
-            else:  # the norm-rope kernel stores the entries in the cache itself
-                comp.finish(pooled, t.win_pos, plain, t.win_write)
+            comp.finish(pooled, t.win_pos, data, t.win_write, scale)  # the norm-rope kernel stores the entries
         else:
             rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
             kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
-            entries = comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos)  # [M, D']
+            store_rows(data, scale, t.win_write, comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos))
         if self.state_destination(layer_id, name, comp.ratio) is None:  # else the projection stored them
             state[t.state_write] = step_rows
-        if entries is not None and name == "main":
-            st.write_entries(layer_id, t.win_write, entries)
-        elif entries is not None:
-            st.write_index_keys(layer_id, t.win_write, entries)
         return t

@@ -82,10 +82,10 @@ class CudaBackend(CachedBackend):
         return storage.device.type == "cuda" and kernels.enabled()
 
     def kv_destination(self, layer_id: int):
-        """The ring and this step's rows, unless the ring is FP8 (its rows are quantised on writing): the kv
-        norm-rope kernel stores the rows there (write first: safe in decode-like steps)."""
-        ring = self.storage.plain_swa(layer_id)
-        return None if ring is None else (ring, self.swa_write)
+        """The ring, this step's rows and the ring's FP8 scales (or None): the kv norm-rope kernel stores the
+        rows there, quantised as the cache stores them (write first: safe in decode-like steps)."""
+        st = self.storage
+        return st.swa[layer_id], self.swa_write, st.swa_scale[layer_id]
 
     def state_destination(self, layer_id: int, name: str, ratio: int):
         """The compressor-state ring and this step's rows: written first, as the window ring. In a decode-like
@@ -99,7 +99,7 @@ class CudaBackend(CachedBackend):
         return (st.state[layer_id] if name == "main" else st.index_state[layer_id]), t.state_write
 
     def window(self, layer_id: int, kv: torch.Tensor | None):
-        if kv is not None:  # an FP8 ring (else kv_destination took the rows)
+        if kv is not None:  # a caller that did not take kv_destination (Attention.forward does)
             self.storage.write_swa(layer_id, self.swa_write, kv)  # write first: safe in decode-like steps
         return CacheRows(self.storage.swa[layer_id], self.ring_rows, self.swa_valid, self.storage.swa_scale[layer_id])
 

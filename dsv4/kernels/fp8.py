@@ -30,3 +30,17 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     nb = scale.shape[-1]
     x = F.pad(q.float(), (0, nb * FP8_BLOCK - D)).view(N, nb, FP8_BLOCK) * scale[..., None]
     return x.view(N, nb * FP8_BLOCK)[:, :D].to(dtype)
+
+
+def store_rows(data: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """data[rows[i]] = values[i] as a cache stores rows: cast to data's dtype, or (``scale`` given, an FP8
+    cache) quantised with ``quantize_fp8`` and its scales to ``scale[rows[i]]``. Rows that repeat (padding's
+    null row) get one of their values."""
+    rows = rows.reshape(-1)
+    values = values.reshape(rows.shape[0], data.shape[-1])
+    if scale is None:
+        data.index_copy_(0, rows, values.to(data.dtype))
+        return
+    q, s = quantize_fp8(values)
+    data.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))
+    scale.index_copy_(0, rows, s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import HAVE_TRITON
+from .fp8 import FP8, FP8_BLOCK
 from .rope import angles_fit, rows_by_head
 
 if HAVE_TRITON:
@@ -34,9 +35,9 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, ROWS, Hm, stride_xn, stride_xh, stride_on, stride_oh, eps,
-                              D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
-                              SCATTER: tl.constexpr):
+    def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, ROWS, SCALE, Hm, stride_xn, stride_xh, stride_on, stride_oh,
+                              eps, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+                              SCATTER: tl.constexpr, FP8: tl.constexpr):
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         i = tl.arange(0, D // 2)  # pair (2i, 2i+1)
@@ -63,8 +64,21 @@ if HAVE_TRITON:
         else:
             dst = OUT + n * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
         # rounded to x's dtype, as the twin's rows; then, stored in a cache of another dtype, to that one
-        tl.store(dst, ra.to(X.dtype.element_ty).to(OUT.dtype.element_ty), mask=m)
-        tl.store(dst + 1, rb.to(X.dtype.element_ty).to(OUT.dtype.element_ty), mask=m)
+        ra = ra.to(X.dtype.element_ty).to(tl.float32)
+        rb = rb.to(X.dtype.element_ty).to(tl.float32)
+        if FP8:  # an FP8 cache (kernels.fp8.quantize_fp8): e4m3 values and one scale per 64 channels (32 pairs)
+            NB: tl.constexpr = D // 64
+            amax = tl.maximum(tl.max(tl.reshape(tl.abs(ra), (BLOCK_H, NB, 32)), axis=2),
+                              tl.max(tl.reshape(tl.abs(rb), (BLOCK_H, NB, 32)), axis=2))  # [BLOCK_H, NB]
+            sc = tl.div_rn(amax, 448.0)
+            tl.store(SCALE + tl.load(ROWS + n).to(tl.int64) * NB + h[:, None] * NB + tl.arange(0, NB)[None, :], sc,
+                     mask=m)
+            div = tl.reshape(tl.broadcast_to(tl.maximum(sc, 1.1754943508222875e-38)[:, :, None], (BLOCK_H, NB, 32)),
+                             (BLOCK_H, D // 2))
+            ra = tl.minimum(tl.maximum(tl.div_rn(ra, div), -448.0), 448.0)
+            rb = tl.minimum(tl.maximum(tl.div_rn(rb, div), -448.0), 448.0)
+        tl.store(dst, ra.to(OUT.dtype.element_ty), mask=m)
+        tl.store(dst + 1, rb.to(OUT.dtype.element_ty), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -88,21 +102,28 @@ def rope_usable(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -
     return angles_fit(x, table, positions) and x.numel() > 0 and D >= 2 and D & (D - 1) == 0
 
 
-def scatter_usable(x: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor) -> bool:
-    """``rms_norm_rope(..., out, out_rows)``'s case: x [N, D] rows stored to rows of out [R, D] (unit stride
-    along D, a float dtype) given by out_rows [N] integers on x's device."""
-    return (x.dim() == 2 and out.dim() == 2 and out.shape[1] == x.shape[1] and out.stride(1) == 1
-            and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out_rows.dim() == 1
-            and out_rows.shape[0] == x.shape[0] and not out_rows.is_floating_point()
-            and out.device == out_rows.device == x.device)
+def scatter_usable(x: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor,
+                   out_scale: torch.Tensor | None = None) -> bool:
+    """``rms_norm_rope(..., out, out_rows, out_scale)``'s case: x [N, D] rows stored to rows of out [R, D] (unit
+    stride along D, a float dtype) given by out_rows [N] integers on x's device; with ``out_scale`` an FP8
+    cache's (e4m3 out, float32 scales [R, D/64], D a multiple of 64)."""
+    ok = (x.dim() == 2 and out.dim() == 2 and out.shape[1] == x.shape[1] and out.stride(1) == 1
+          and out_rows.dim() == 1 and out_rows.shape[0] == x.shape[0] and not out_rows.is_floating_point()
+          and out.device == out_rows.device == x.device)
+    if out_scale is None:
+        return ok and out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (ok and out.dtype == FP8 and x.shape[1] % FP8_BLOCK == 0 and out_scale.dtype == torch.float32
+            and out_scale.is_contiguous() and out_scale.shape == (out.shape[0], x.shape[1] // FP8_BLOCK)
+            and out_scale.device == x.device)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, table: torch.Tensor,
-                  positions: torch.Tensor, out: torch.Tensor | None = None,
-                  out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+                  positions: torch.Tensor, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+                  out_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """The normed, roped rows; or, given ``out`` and ``out_rows`` (``scatter_usable``), nothing: row i is
-    stored to ``out[out_rows[i]]`` in out's dtype (one rounding of the fp32 rope, as ``index_copy_`` of the
-    rows ``.to(out.dtype)``). Rows that repeat in out_rows (padding's null row) get one of their values."""
+    stored to ``out[out_rows[i]]`` as ``kernels.fp8.store_rows`` stores it (in out's dtype, one rounding of the
+    row; with ``out_scale``, FP8 values and their scales). Rows that repeat in out_rows (padding's null row)
+    get one of their values."""
     N, D = x.shape[0], x.shape[-1]
     x3, table, positions, res = rows_by_head(x, table, positions, alloc_out=out is None)
     Hm = x3.shape[1]
@@ -110,7 +131,8 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, tabl
     w = weight.contiguous() if weight is not None else x3
     dst, rows = (res, x3) if out is None else (out, out_rows.contiguous())  # x3: an unused pointer
     _rms_norm_rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
-        x3, w, positions, table, dst, rows, Hm, x3.stride(0), x3.stride(1), dst.stride(0),
-        res.stride(1) if out is None else 0, eps, D=D, R=2 * table.shape[-1], HAS_W=weight is not None,
-        BLOCK_H=BLOCK_H, SCATTER=out is not None, enable_fp_fusion=False, num_warps=4 if BLOCK_H * D <= 2048 else 8)
+        x3, w, positions, table, dst, rows, x3 if out_scale is None else out_scale, Hm, x3.stride(0),
+        x3.stride(1), dst.stride(0), res.stride(1) if out is None else 0, eps, D=D, R=2 * table.shape[-1],
+        HAS_W=weight is not None, BLOCK_H=BLOCK_H, SCATTER=out is not None, FP8=out_scale is not None,
+        enable_fp_fusion=False, num_warps=4 if BLOCK_H * D <= 2048 else 8)
     return res.view(x.shape) if out is None else None

@@ -35,10 +35,10 @@ class AttentionBackend(Protocol):
     def ungroup(self, x: torch.Tensor) -> torch.Tensor:
         """[G, Tq, ...] -> [N, ...]"""
 
-    def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cache rows [R, D], this step's rows [N]) where the kernel that makes this step's kv may store it,
-        for a backend that reads the window from the cache after writing it; then ``window`` gets None for
-        kv. None: the backend takes kv itself."""
+    def kv_destination(self, layer_id: int) -> tuple | None:
+        """(cache rows [R, D], this step's rows [N], FP8 scales [R, D/64] or None) where the kernel that makes
+        this step's kv may store it, for a backend that reads the window from the cache after writing it; then
+        ``window`` gets None for kv. None: the backend takes kv itself."""
 
     def window(self, layer_id: int, kv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's kv [N, D] (None: already stored at ``kv_destination``) -> sliding-window keys [G, K, D]
@@ -153,11 +153,12 @@ class Compressor(nn.Module):
         return self.finish(pool_windows(kv_rows, score_rows, valid), window_pos)
 
     def finish(self, pooled: torch.Tensor, window_pos: torch.Tensor, out: torch.Tensor | None = None,
-               out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+               out_rows: torch.Tensor | None = None, out_scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """Pooled windows [M, D] -> entries: the compressor's RMSNorm, then RoPE at the window start; given a
-        cache's rows ``out`` and ``out_rows`` [M], stored there instead (``ops.rms_norm_rope``)."""
+        cache's rows ``out`` (and FP8 scales ``out_scale``) and ``out_rows`` [M], stored there instead
+        (``ops.rms_norm_rope``)."""
         return rms_norm_rope(pooled, self.norm.weight, self.norm.eps, Rope(self.inv_freq, window_pos), out,
-                             out_rows)
+                             out_rows, out_scale)
 
 
 class Indexer(nn.Module):

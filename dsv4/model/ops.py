@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..kernels import norm as norm_kernel
 from ..kernels import rope as rope_kernel
+from ..kernels.fp8 import store_rows
 from ..kernels.indexer import index_scores  # noqa: F401  (the twins live beside their kernels)
 from ..kernels.moe import add_to  # noqa: F401
 from ..kernels.sparse_attention import sink_attention  # noqa: F401
@@ -84,18 +85,20 @@ def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tens
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope,
-                  out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+                  out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+                  out_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``apply_rope(rms_norm(x, weight, eps), rope)``: one kernel on CUDA (``dsv4.kernels.norm``, angles
     included); the composition is its twin. Given ``out`` [R, D] and ``out_rows`` [N] (a cache's rows and where
-    this step's go), it returns nothing and stores row i at ``out[out_rows[i]]`` in out's dtype: on CUDA the
-    kernel's own stores, no scatter or cast after it."""
+    this step's go; ``out_scale``: an FP8 cache's scales), it returns nothing and stores row i at
+    ``out[out_rows[i]]`` as the cache stores rows (``kernels.fp8.store_rows``): on CUDA the kernel's own
+    stores, with no scatter, cast or quantisation after it."""
     if x.is_cuda and norm_kernel.rope_usable(x, rope.table, rope.positions) and (
-            out is None or norm_kernel.scatter_usable(x, out, out_rows)):
-        return norm_kernel.rms_norm_rope(x, weight, eps, rope.table, rope.positions, out, out_rows)
+            out is None or norm_kernel.scatter_usable(x, out, out_rows, out_scale)):
+        return norm_kernel.rms_norm_rope(x, weight, eps, rope.table, rope.positions, out, out_rows, out_scale)
     y = apply_rope(rms_norm(x, weight, eps), rope)
     if out is None:
         return y
-    out.index_copy_(0, out_rows.reshape(-1), y.reshape((-1,) + tuple(out.shape[1:])).to(out.dtype))
+    store_rows(out, out_scale, out_rows, y)
     return None
 
 
