@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The twenty-second session's unverified GPU work, for the next device call: the CUDA tests of the kernels'
-# stores into the cache (norm-rope into entries / index keys / the window ring, the compressor rows into the
-# state ring), the rope and FP8 GEMV tests against the restored GEMV, the engine against the dense reference,
+# stores into the cache (norm-rope into entries / index keys / the window ring, bf16 or FP8-quantised; the
+# compressor rows into the state ring), the rope and FP8 GEMV tests against the restored GEMV, the engine against the dense reference,
 # then the decode step on flash-L20-E128 (fits an H100; compare with BENCHMARKS' twenty-first session, 5.41 /
 # 11.75 ms at batch 1 / 8 on 9a8aa6f, or with BASE_TREE: a checkout of an earlier commit, run in the same call).
 set -u
