@@ -453,7 +453,8 @@ def test_compressor_rows_kernel_matches_twin(dtype, ratio, C):
     assert torch.equal(project_rows(kv, gate, ape, pos, ratio, state, rows).cpu(), ref)
     want = torch.full_like(state, 5.0).cpu()
     want[rows[:-4].cpu()] = ref[:-4]
-    assert torch.equal(state[1:].cpu(), want[1:]) and any(torch.equal(state[0].cpu(), r) for r in ref[-4:])
+    # padding's programs race on the null row: each element is one of theirs (on the GPU not one whole row)
+    assert torch.equal(state[1:].cpu(), want[1:]) and (state[0].cpu()[None] == ref[-4:]).any(0).all()
 
 
 @pytest.mark.parametrize("N, k", [(1, 6), (33, 6), (7, 2)])
@@ -591,7 +592,10 @@ def test_rms_norm_rope_stores_into_cache_rows(x_dtype, out_dtype, D, R):
     one = [cache() for _ in range(3)]
     for c, i in zip(one, range(N - 3, N)):
         store_rows(c[0], c[1], rows[i:i + 1], mine[i:i + 1])
-    assert any(torch.equal(read(got)[0], read(c)[0]) for c in one)
+    # padding's programs race on the null row: each stored element (value, FP8 scale) is one of theirs
+    raw = lambda t: t[0].view(torch.uint8) if t.dtype == FP8 else t[0]  # noqa: E731
+    for k in (0, 1) if fp8 else (0,):
+        assert (raw(got[k])[None] == torch.stack([raw(c[k]) for c in one])).any(0).all()
     _kernels_off(lambda: rms_norm_rope(x, w, 1e-6, Rope(rope.table, rope.positions), twin[0], rows, twin[1]))
     tol = 7e-2 if fp8 else 1e-2 if torch.bfloat16 in (x_dtype, out_dtype) else 1e-6
     assert rel_err(read(got)[1:], read(twin)[1:]) < tol

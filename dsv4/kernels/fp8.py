@@ -20,7 +20,11 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, D = x.shape
     nb = num_scale_blocks(D)
     xp = F.pad(x.float(), (0, nb * FP8_BLOCK - D)).view(N, nb, FP8_BLOCK)
-    scale = xp.abs().amax(-1) / FP8_MAX                                          # [N, nb]
+    # amax / 448 rounded once, with a tensor divisor (a fill, safe in a graph capture): torch's CUDA division by
+    # a Python scalar multiplies by its float32 reciprocal (an ulp off in half the cases); the CPU and the
+    # norm-rope kernel's FP8 store divide
+    amax = xp.abs().amax(-1)
+    scale = amax / amax.new_full((), FP8_MAX)                                   # [N, nb]
     q = (xp / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8).view(N, nb * FP8_BLOCK)[:, :D].contiguous(), scale
 
@@ -35,7 +39,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 def store_rows(data: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor) -> None:
     """data[rows[i]] = values[i] as a cache stores rows: cast to data's dtype, or (``scale`` given, an FP8
     cache) quantised with ``quantize_fp8`` and its scales to ``scale[rows[i]]``. Rows that repeat (padding's
-    null row) get one of their values."""
+    null row) hold, element by element, one of their values (nothing reads them)."""
     rows = rows.reshape(-1)
     values = values.reshape(rows.shape[0], data.shape[-1])
     if scale is None:

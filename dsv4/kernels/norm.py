@@ -123,7 +123,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, tabl
     """The normed, roped rows; or, given ``out`` and ``out_rows`` (``scatter_usable``), nothing: row i is
     stored to ``out[out_rows[i]]`` as ``kernels.fp8.store_rows`` stores it (in out's dtype, one rounding of the
     row; with ``out_scale``, FP8 values and their scales). Rows that repeat in out_rows (padding's null row)
-    get one of their values."""
+    hold, element by element, one of their values (nothing reads them)."""
     N, D = x.shape[0], x.shape[-1]
     x3, table, positions, res = rows_by_head(x, table, positions, alloc_out=out is None)
     Hm = x3.shape[1]

@@ -41,7 +41,8 @@ def project_rows(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positi
                  ratio: int, state: torch.Tensor | None = None, state_rows: torch.Tensor | None = None) -> torch.Tensor:
     """kv, gate [N, C] (unit stride along C), ape [ratio, C], positions [N] -> [N, 2C] fp32; given the state
     ring ``state`` [R, 2C] fp32 (contiguous) and ``state_rows`` [N], row t is also stored at
-    ``state[state_rows[t]]`` (rows that repeat, padding's null row, get one of their values)."""
+    ``state[state_rows[t]]`` (rows that repeat, padding's null row, hold element by element one of their
+    values; nothing reads them)."""
     N, C = kv.shape
     out = torch.empty(N, 2 * C, dtype=torch.float32, device=kv.device)
     to_state = state is not None
