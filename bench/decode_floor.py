@@ -14,7 +14,7 @@ from common import copy_bandwidth, report, sync, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
-from dsv4.kernels import fp4_gemv
+from dsv4.kernels import fp4_gemv, pdl
 
 
 CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
@@ -77,8 +77,12 @@ def main():
     ap.add_argument("--separate-gate-up", action="store_true",
                     help="packed FP4 experts at decode sizes: w1, w3 and the SwiGLU as three launches (the A/B of"
                          " the fused first half)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    if args.no_pdl:
+        pdl.set_enabled(False)
     if args.gemv_max_rows is not None:
         fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
     if args.separate_gate_up:
@@ -131,7 +135,8 @@ def main():
             f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts"
             + (f", FP4 GEMV up to {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT:g} pairs per expert"
                + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
-               if args.expert_format == "fp4" else ""))
+               if args.expert_format == "fp4" else "")
+            + (", plain launches (no PDL)" if args.no_pdl else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"

@@ -64,6 +64,41 @@ def test_fp8_cache_kernel_path_equals_torch_path():
     assert llm.engine.runner.graphs.num_replays > 0
 
 
+def _bf16_mtp_outputs():
+    """tiny in bf16 (where a race or a reordering would show), FP8 cache, MTP 2, decode graphs with padding and
+    prefill graphs, a greedy and a seeded sampled request: each request's tokens and logprobs."""
+    from dsv4 import LLM, SamplingParams
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 300)]
+    sp = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2) for _ in prompts]
+    sp[1] = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_k=40, seed=5, logprobs=2)
+    llm = LLM("tiny", device="cuda", dtype="bf16", max_batch_size=8, max_num_tokens=128, max_seq_len=512,
+              kv_cache_config={"max_tokens": 8192, "dtype": "fp8"},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+              cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]})
+    out = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)]
+    assert llm.engine.runner.graphs.num_replays > 0
+    return out
+
+
+def test_pdl_launches_give_the_bits_of_plain_launches():
+    """Every kernel launched with programmatic dependent launch (the default from Hopper on) computes what plain
+    launches compute, in the same order: the same tokens and logprobs, bit for bit (``_bf16_mtp_outputs``).
+    Fails if a kernel touched memory before its wait."""
+    from dsv4.kernels import pdl
+
+    assert pdl.args()["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    on = _bf16_mtp_outputs()
+    pdl.set_enabled(False)
+    try:
+        assert pdl.args() == {"PDL": False}
+        off = _bf16_mtp_outputs()
+    finally:
+        pdl.set_enabled(True)
+    assert on == off
+
+
 @pytest.mark.parametrize("N, k, E", [(1, 6, 32), (32, 6, 32), (64, 6, 33), (5, 2, 8), (3, 6, 7), (4, 8, 256)])
 def test_align_kernel_equals_twin(N, k, E):
     """dsv4.kernels.moe's one-program align (small batches on CUDA) against align_torch, exactly, with and

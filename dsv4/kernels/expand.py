@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 BLOCK_T = 16   # tokens per program
 BLOCK_E = 128  # entry columns per program
@@ -21,6 +21,8 @@ BLOCK_W = 16   # windows per program
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 
     @triton.jit
     def _token_rows(ROWS, B, N, t, BP: tl.constexpr):
@@ -41,7 +43,8 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["B", "N"])
     def _expand_tokens(ROWS, B, N, S, swa_base, POS, SEQ, QS, LAST, SWA_READ, SWA_VALID, SWA_WRITE,
-                       W: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr):
+                       W: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         pid = tl.program_id(0)
         t = pid * BT + tl.arange(0, BT)
         mt = t < N
@@ -68,7 +71,8 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["B", "N", "nb", "E"])
     def _expand_entries(ROWS, B, N, nb, E, r, cap, epb, STATE_WRITE, COUNT, ENTRY_ROWS, ENTRY_VALID,
-                        BP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+                        BP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         pid, eb = tl.program_id(0), tl.program_id(1)
         t = pid * BT + tl.arange(0, BT)
         mt = t < N
@@ -89,7 +93,8 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["B", "M", "nb"])
     def _expand_windows(ROWS, B, M, nb, r, cap, epb, state_base, TOKEN, WSEQ, INDEX, WPOS, WRITE, ACTIVE,
                         WROWS, WVALID, COFF: tl.constexpr, JP: tl.constexpr, BP: tl.constexpr,
-                        BW: tl.constexpr):
+                        BW: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         m = tl.program_id(0) * BW + tl.arange(0, BW)
         mm = m < M
         b = tl.arange(0, BP)
@@ -141,7 +146,7 @@ def expand(layout, shape, rows: torch.Tensor, num_slots: int) -> dict:
     _expand_tokens[(max(1, triton.cdiv(N, BLOCK_T)),)](
         rows, B, N, S, layout.step_base(S, num_slots), out["positions"], out["token_seq"], out["query_start"],
         out["last_token_index"], out["swa_read"], out["swa_valid"], out["swa_write"], W=W,
-        WP=triton.next_power_of_2(W), BP=BP, BT=BLOCK_T, num_warps=4)
+        WP=triton.next_power_of_2(W), BP=BP, BT=BLOCK_T, num_warps=4, **pdl.args())
     windows, entries = dict(shape.windows), dict(shape.entries)
     for r in layout.ratios:
         coff, cap, epb = layout.coff(r), layout.state_cap(r), layout.entries_per_block(r)
@@ -152,7 +157,7 @@ def expand(layout, shape, rows: torch.Tensor, num_slots: int) -> dict:
         if N:
             _expand_entries[(triton.cdiv(N, BLOCK_T), max(1, triton.cdiv(E, BLOCK_E)))](
                 rows, B, N, nb, E, r, cap, epb, t["state_write"], t["entry_count"], t["entry_rows"],
-                t["entry_valid"], BP=BP, BT=BLOCK_T, BE=BLOCK_E, num_warps=4)
+                t["entry_valid"], BP=BP, BT=BLOCK_T, BE=BLOCK_E, num_warps=4, **pdl.args())
         for k in ("win_token", "win_seq", "win_index", "win_pos", "win_write"):
             t[k] = torch.empty(M, **i64)
         t["win_active"] = torch.empty(M, dtype=torch.bool, device=dev)
@@ -162,6 +167,6 @@ def expand(layout, shape, rows: torch.Tensor, num_slots: int) -> dict:
             _expand_windows[(triton.cdiv(M, BLOCK_W),)](
                 rows, B, M, nb, r, cap, epb, layout.step_base(cap, num_slots), t["win_token"], t["win_seq"], t["win_index"],
                 t["win_pos"], t["win_write"], t["win_active"], t["win_rows"], t["win_valid"], COFF=coff,
-                JP=triton.next_power_of_2(coff * r), BP=BP, BW=BLOCK_W, num_warps=4)
+                JP=triton.next_power_of_2(coff * r), BP=BP, BW=BLOCK_W, num_warps=4, **pdl.args())
         out.update({(r, k): v for k, v in t.items()})
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, pdl
 
 GEMV_MAX_ROWS_PER_EXPERT = 1  # pairs per expert, on average, up to which the GEMV path runs
 # The single GEMV runs w2 (w1 and w3 run fused, below): 16/512 took 18.2 / 108 / 376 us at batch 1 / 8 / 32 of
@@ -62,6 +62,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
     from .swiglu import swiglu_f32
 
     @triton.jit
@@ -197,13 +198,14 @@ if HAVE_TRITON:
     def _fp4_gemv_kernel(A, stride_am, ROWS, W, W3, stride_we, stride_wn, S, S3, stride_se, stride_sn, C, stride_cm,
                          BLOCK_EXPERT, ROW_W, limit, N, K, GATHER: tl.constexpr, GATE_UP: tl.constexpr,
                          CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                         EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """C[r] = A[row r] @ decode(W[e]).T for each valid row r of row block pid 0 (expert e), outputs of
         tile pid 1. W: the packed e2m1 bytes [E, N, K/2] read as int32 words [E, N, K/8]; S: their scale bytes
         [E, N, K/32]. GATE_UP: W3, S3 (w3, the same shape) too, and C[r] = SwiGLU(A W1, A W3) times ROW_W[r]
         (``swiglu.swiglu_f32``, the clamp at ``limit`` with CLAMP), from the float32 sums: both products of a
         row share its input loads, one launch instead of three. EVEN_K: K is a multiple of BLOCK_K, so no
         load is masked along K (masks that vary along the words keep the loads scalar)."""
+        enter(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
@@ -271,7 +273,7 @@ if HAVE_TRITON:
             row_weight.float().contiguous() if gate_up else out, float(limit), n, 2 * half_k, GATHER=gather,
             GATE_UP=gate_up, CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+            num_stages=c["num_stages"], **pdl.args())
         return out
 
     def fp4_gemv(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 BLOCK = 128  # inputs (and outputs) per scale
 KERNEL_MAX_ROWS = 128  # more rows: dequantise and run one GEMM (the twin); fixed_rows' chunks stay on the kernel
@@ -144,12 +144,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
         grid = (triton.cdiv(N, BN), S, G)
         _fp8_gemv_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0),
                                k_per_split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EVEN_K=K % BK == 0, SB=BLOCK,
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.args())
     else:
         grid = (triton.cdiv(N, BN), triton.cdiv(M, BM) * S, G)
         _fp8_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0), k_per_split,
                           triton.cdiv(M, BM), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, IEEE=x.dtype == torch.float32,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.args())
     return out[0] if S == 1 else out.sum(0).to(x.dtype)
 
 
@@ -157,9 +157,13 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
+
     @triton.jit
     def _fp8_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split, m_blocks,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                    PDL: tl.constexpr):
+        enter(PDL)
         # out^T = W x^T ("swap AB"): the widened weight tile is the dot's first operand, which the tensor cores
         # take from registers, so it never makes a round trip through shared memory; the few rows of x are
         # the second
@@ -191,7 +195,8 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         SB: tl.constexpr):
+                         SB: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # On the CUDA cores: the M rows' inputs, each scaled by its block's scale (the tile's outputs share one
         # block row), times the widened weight tile, accumulated element-wise in float32 over the chunks and
         # summed over the inputs once at the end; every weight byte is read once for all M rows

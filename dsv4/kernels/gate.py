@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, pdl
 
 FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 BLOCK_E = 1  # one expert row per program: at batch 1 the experts are the only parallelism
@@ -18,12 +18,15 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
+
     @triton.jit
     def _gate_logits(X, stride_x, W, L, N, E, d: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
-                     TOKENS: tl.constexpr):
+                     TOKENS: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), expert blocks): TOKENS tokens one after another against the same expert rows
         (read again by the same program, not by one program per token), each token's sum in the same order
         whatever TOKENS is."""
+        enter(PDL)
         eb = tl.program_id(1)
         e = eb * BE + tl.arange(0, BE)
         me = e < E
@@ -41,7 +44,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gate_route(L, BIAS, TID2EID, TOK, OUT_W, OUT_IDS, E, route_scale, K: tl.constexpr, KP: tl.constexpr,
-                    EP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr):
+                    EP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         t = tl.program_id(0)
         ex = tl.arange(0, EP)
         me = ex < E
@@ -89,10 +93,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2
     if N:
         tokens = 1 if N <= 64 else 16  # decode: tokens x experts programs; prefill: expert rows read once per 16
         _gate_logits[(triton.cdiv(N, tokens), triton.cdiv(E, BLOCK_E))](
-            x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=BLOCK_D, TOKENS=tokens, num_warps=4)
+            x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=BLOCK_D, TOKENS=tokens, num_warps=4, **pdl.args())
         hashed = tid2eid is not None
         _gate_route[(N,)](logits, bias.float().contiguous() if bias is not None else logits,
                           tid2eid.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids,
                           w, ids, E, float(route_scale), K=k, KP=triton.next_power_of_2(k),
-                          EP=triton.next_power_of_2(E), FUNC=FUNCS[score_func], HASH=hashed, num_warps=1)
+                          EP=triton.next_power_of_2(E), FUNC=FUNCS[score_func], HASH=hashed, num_warps=1, **pdl.args())
     return w, ids

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_heads: int,
@@ -57,10 +57,13 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
+
     @triton.jit
     def _index_scores_kernel(Q, stride_qn, stride_qh, W, stride_wn, KEYS, stride_k, ROWS, VALID, stride_r,
                              OUT, stride_o, E, scale, NH: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr,
-                             BD: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr):
+                             BD: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.arange(0, BH)
         offs_d = tl.arange(0, BD)
@@ -88,7 +91,9 @@ if HAVE_TRITON:
         return (i ^ ((i >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
 
     @triton.jit
-    def _topk_rows_kernel(S, stride_s, ROWS, stride_r, OUT_R, OUT_V, stride_o, E, K, BLOCK: tl.constexpr):
+    def _topk_rows_kernel(S, stride_s, ROWS, stride_r, OUT_R, OUT_V, stride_o, E, K, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        enter(PDL)
         n = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         bins = tl.arange(0, 256)
@@ -159,7 +164,7 @@ def index_scores_cuda(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows
     _index_scores_kernel[(N, triton.cdiv(E, block_e))](
         q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), rows, valid, rows.stride(0),
         out, out.stride(0), E, (nI * dI) ** -0.5, NH=nI, DI=dI, BH=BH, BD=BD, BLOCK_E=block_e,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        IEEE=q.dtype == torch.float32, num_warps=4, **pdl.args())
     return out
 
 
@@ -172,7 +177,7 @@ def topk_rows_cuda(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[to
     if N and k:
         scores, rows = scores.contiguous(), rows.contiguous()
         _topk_rows_kernel[(N,)](scores, scores.stride(0), rows, rows.stride(0), out_r, out_v.view(torch.int8),
-                                out_r.stride(0), E, k, BLOCK=1024, num_warps=8)
+                                out_r.stride(0), E, k, BLOCK=1024, num_warps=8, **pdl.args())
     return out_r, out_v
 
 

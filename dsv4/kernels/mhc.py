@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs per token)
 MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N is: the reductions' layout
@@ -25,12 +25,15 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
+
     @triton.jit
     def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
-                      TOKENS: tl.constexpr):
+                      TOKENS: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), K / BLOCK): TOKENS tokens' partials over inputs chunk kb as one dot on the
         tensor cores in 3xTF32 (each operand split into a TF32 head and tail, three products: float32's accuracy;
         a bfloat16 x is its own head), the sums of squares beside it."""
+        enter(PDL)
         kb = tl.program_id(1)
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         k = kb * BLOCK + tl.arange(0, BLOCK)
@@ -48,9 +51,10 @@ if HAVE_TRITON:
     @triton.jit
     def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, U, eps, norm_eps, K, d, iters: tl.constexpr,
                   n: tl.constexpr, KBP: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
-                  SLICES: tl.constexpr):
+                  SLICES: tl.constexpr, PDL: tl.constexpr):
         """Grid (N, cdiv(d, BLOCK * SLICES)): token t's weights from its partials (each program computes
         them alike), then SLICES slices of BLOCK channels of the weighted sum."""
+        enter(PDL)
         t, db = tl.program_id(0), tl.program_id(1)
         R: tl.constexpr = n if HEAD else (2 + n) * n
         i = tl.arange(0, n)
@@ -85,7 +89,8 @@ if HAVE_TRITON:
             tl.store(U + t.to(tl.int64) * d + c_, u.to(U.dtype.element_ty), mask=mc)
 
     @triton.jit
-    def _post(Y, X, POST, COMB, OUT, d, n: tl.constexpr, BLOCK: tl.constexpr):
+    def _post(Y, X, POST, COMB, OUT, d, n: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         t, db = tl.program_id(0), tl.program_id(1)
         i = tl.arange(0, n)
         c_ = db * BLOCK + tl.arange(0, BLOCK)
@@ -124,13 +129,13 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     if N:
         _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R,
                                                         RP=max(16, triton.next_power_of_2(R + 1)), BLOCK=BLOCK_K,
-                                                        TOKENS=MIX_TOKENS, num_warps=4)
+                                                        TOKENS=MIX_TOKENS, num_warps=4, **pdl.args())
         slices = collapse_slices(N, d)
         _collapse[(N, triton.cdiv(d, BLOCK_D * slices))](P, KB, X, X.stride(0), scale.float().contiguous(),
                                                          base.float().contiguous(), post, comb, u, eps, norm_eps,
                                                          K, d, iters=iters, n=n, KBP=triton.next_power_of_2(KB),
                                                          HEAD=head, BLOCK=BLOCK_D, SLICES=slices,
-                                                         num_warps=1)  # Sinkhorn: warp-local reductions
+                                                         num_warps=1, **pdl.args())  # Sinkhorn: warp-local reductions
     return u, post, comb
 
 
@@ -153,5 +158,5 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     out = torch.empty_like(X)
     if N:
         _post[(N, triton.cdiv(d, BLOCK_D))](y, X, post.float().contiguous(), comb.float().contiguous(), out, d,
-                                            n=n, BLOCK=BLOCK_D, num_warps=4)
+                                            n=n, BLOCK=BLOCK_D, num_warps=4, **pdl.args())
     return out

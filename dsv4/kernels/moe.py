@@ -24,7 +24,7 @@ import torch
 
 from .fp4 import unpack_fp4
 from . import fp4_gemv as gemv_kernel
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 from .swiglu import swiglu, swiglu_to
 
 BLOCK_M = 16
@@ -136,7 +136,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, weights: torch.Ten
     _align_kernel[(1,)](ids.contiguous(), rows, pair_pos, block_expert, weights.contiguous() if has_w else row_weight,
                         row_weight, P, k, num_experts, m_pad, PP=_pow2(P), EP=_pow2(num_experts), BM=block_m,
                         MB=_pow2(m_pad // block_m), HAS_W=has_w,
-                        num_warps=8 if _pow2(P) * _pow2(num_experts) > 8192 else 4)
+                        num_warps=8 if _pow2(P) * _pow2(num_experts) > 8192 else 4, **pdl.args())
     return (rows, pair_pos, block_expert, row_weight) if has_w else (rows, pair_pos, block_expert)
 
 
@@ -145,12 +145,14 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .fp4_gemv import as_words, e2m1_word_bf16, split8, use_asm
+    from .pdl import enter
 
     @triton.jit
     def _combine_kernel(Y, PAIR_POS, KEEP, ADD, OUT, d, stride_y, K: tl.constexpr, HAS_KEEP: tl.constexpr,
-                        HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """OUT[t] = sum over j < K of Y[PAIR_POS[t*K + j]] (fp32, j in order), pairs with KEEP False left out,
         plus ADD[t] (HAS_ADD), rounded once to OUT's dtype."""
+        enter(PDL)
         t, cb = tl.program_id(0), tl.program_id(1)
         c = cb * BLOCK + tl.arange(0, BLOCK)
         m = c < d
@@ -167,9 +169,10 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["P", "m_pad"])
     def _align_kernel(IDS, ROWS, PAIR_POS, BLOCK_EXPERT, W, ROW_W, P, k, E, m_pad, PP: tl.constexpr,
-                      EP: tl.constexpr, BM: tl.constexpr, MB: tl.constexpr, HAS_W: tl.constexpr):
+                      EP: tl.constexpr, BM: tl.constexpr, MB: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr):
         """One program: counts per expert, padded segments, each pair's rank among its expert's pairs (pair
         order), then the tables of ``align`` (HAS_W: the pairs' weights W at their rows of ROW_W too)."""
+        enter(PDL)
         p = tl.arange(0, PP)
         mp = p < P
         ex = tl.arange(0, EP)
@@ -201,13 +204,15 @@ if HAVE_TRITON:
     def _grouped_gemm_kernel(A, stride_am, ROWS, W, stride_we, stride_wn, stride_wk, C, stride_cm,
                              BLOCK_EXPERT, N, K, S, stride_se, stride_sn, GATHER: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             IEEE: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+                             IEEE: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+                             PDL: tl.constexpr):
         """C[rows of block] = A[rows] @ W[e].T for the expert e of this row block. ``FP4``: W holds packed
         e2m1 bytes [E, N, K/2] as int32 words [E, N, K/8] and S their scale bytes [E, N, K/32], decoded per BLOCK_K
         inputs (a power of two from 128; weight-only). ASM: ``e2m1_word_bf16``'s inline PTX; EVEN_K: K a multiple
         of BLOCK_K. A
         scale byte of 0 (2**-127, below float32's normal range; real weights never have it) gives 0 here and
         its value in the twin."""
+        enter(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
@@ -287,7 +292,8 @@ if HAVE_TRITON:
                                    out.stride(0), block_expert, n, kdim, s, s.stride(0), s.stride(1),
                                    GATHER=gather, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                                    IEEE=a.dtype == torch.float32, FP4=scale is not None, ASM=use_asm(a),
-                                   EVEN_K=kdim % c["BLOCK_K"] == 0, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                   EVEN_K=kdim % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
+                                   num_stages=c["num_stages"], **pdl.args())
         return out
 
 
@@ -390,5 +396,5 @@ def _combine(y: torch.Tensor, pair_pos: torch.Tensor, keep: torch.Tensor | None,
         _combine_kernel[(N, triton.cdiv(d, COMBINE_BLOCK))](
             y, pair_pos, keep.reshape(-1).contiguous() if keep is not None else pair_pos,
             add if add is not None else out, out, d, y.stride(0), K=k, HAS_KEEP=keep is not None,
-            HAS_ADD=add is not None, BLOCK=COMBINE_BLOCK, num_warps=4)
+            HAS_ADD=add is not None, BLOCK=COMBINE_BLOCK, num_warps=4, **pdl.args())
     return out

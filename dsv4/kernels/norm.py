@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON
+from . import HAVE_TRITON, pdl
 from .fp8 import FP8, FP8_BLOCK
 from .rope import angles_fit, rows_by_head
 
@@ -20,10 +20,13 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
     from .rope import angles
 
     @triton.jit
-    def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, d, eps, HAS_W: tl.constexpr, DP: tl.constexpr):
+    def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, d, eps, HAS_W: tl.constexpr, DP: tl.constexpr,
+                         PDL: tl.constexpr):
+        enter(PDL)
         r = tl.program_id(0)
         c = tl.arange(0, DP)
         m = c < d
@@ -37,7 +40,8 @@ if HAVE_TRITON:
     @triton.jit
     def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, ROWS, SCALE, Hm, stride_xn, stride_xh, stride_on, stride_oh,
                               eps, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
-                              SCATTER: tl.constexpr, FP8: tl.constexpr):
+                              SCATTER: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         i = tl.arange(0, D // 2)  # pair (2i, 2i+1)
@@ -91,7 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     w = weight.contiguous() if weight is not None else x2  # x2: an unused pointer when there is no weight
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, x2.stride(0), out.stride(0), d, eps,
-                                         HAS_W=weight is not None, DP=DP, num_warps=8 if DP >= 2048 else 4)
+                                         HAS_W=weight is not None, DP=DP, num_warps=8 if DP >= 2048 else 4,
+                                         **pdl.args())
     return out.view(x.shape)
 
 
@@ -134,5 +139,5 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, tabl
         x3, w, positions, table, dst, rows, x3 if out_scale is None else out_scale, Hm, x3.stride(0),
         x3.stride(1), dst.stride(0), res.stride(1) if out is None else 0, eps, D=D, R=2 * table.shape[-1],
         HAS_W=weight is not None, BLOCK_H=BLOCK_H, SCATTER=out is not None, FP8=out_scale is not None,
-        enable_fp_fusion=False, num_warps=4 if BLOCK_H * D <= 2048 else 8)
+        enable_fp_fusion=False, num_warps=4 if BLOCK_H * D <= 2048 else 8, **pdl.args())
     return res.view(x.shape) if out is None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 BLOCK_C = 64
 
@@ -17,9 +17,12 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
+
     @triton.jit
     def _pool_kernel(STATE, STEP, IDX, VALID, OUT, state_rows, stride_state, stride_step, ratio, D,
-                     S: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, BLOCK: tl.constexpr):
+                     S: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         m, cb = tl.program_id(0), tl.program_id(1)
         s = tl.arange(0, SP)
         ms = s < S
@@ -56,7 +59,7 @@ def pool_rows(state: torch.Tensor, step_rows: torch.Tensor, index: torch.Tensor,
         _pool_kernel[(M, triton.cdiv(D, BLOCK_C))](
             state, step_rows.contiguous(), index.contiguous(), valid.contiguous(), out, state.shape[0],
             state.stride(0), step_rows.stride(0), ratio, D, S=S, SP=triton.next_power_of_2(S), COFF=coff,
-            BLOCK=BLOCK_C, num_warps=4)
+            BLOCK=BLOCK_C, num_warps=4, **pdl.args())
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 BLOCK = 512
 
@@ -16,9 +16,12 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .pdl import enter
+
     @triton.jit
     def _rows_kernel(KV, GATE, APE, POS, OUT, STATE, ROWS, stride_kv, stride_gate, C, ratio, BLOCK: tl.constexpr,
-                     TO_STATE: tl.constexpr):
+                     TO_STATE: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         t, cb = tl.program_id(0), tl.program_id(1)
         c = cb * BLOCK + tl.arange(0, BLOCK)
         m = c < C
@@ -54,5 +57,5 @@ def project_rows(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positi
         _rows_kernel[(N, triton.cdiv(C, BLOCK))](
             kv, gate, ape.float().contiguous(), positions.contiguous(), out, state if to_state else out,
             state_rows.contiguous() if to_state else positions, kv.stride(0), gate.stride(0), C, ratio, BLOCK=BLOCK,
-            TO_STATE=to_state, num_warps=4)
+            TO_STATE=to_state, num_warps=4, **pdl.args())
     return out

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, enabled
+from . import HAVE_TRITON, enabled, pdl
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 
     @triton.jit
     def angles(POS, FREQ, n, j, in_rope):
@@ -24,7 +26,8 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_kernel(X, POS, FREQ, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh,
                      D: tl.constexpr, R: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                     INVERSE: tl.constexpr):
+                     INVERSE: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         c = tl.arange(0, DP)
@@ -81,5 +84,5 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, in
     if N and Hm:
         _rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
             x3, positions, table, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
-            D=D, R=R, DP=DP, BLOCK_H=BLOCK_H, INVERSE=inverse, enable_fp_fusion=False)
+            D=D, R=R, DP=DP, BLOCK_H=BLOCK_H, INVERSE=inverse, enable_fp_fusion=False, **pdl.args())
     return out.view(x.shape)

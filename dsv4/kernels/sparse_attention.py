@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 from .fp8 import FP8_BLOCK, dequantize_fp8
 
 
@@ -87,6 +87,8 @@ def sparse_sink_attention_ref(q: torch.Tensor, sources, sink: torch.Tensor, scal
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 
     @triton.jit
     def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr):
@@ -140,8 +142,9 @@ if HAVE_TRITON:
                                  KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
                                  KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
+                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program."""
+        enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
@@ -189,10 +192,12 @@ if HAVE_TRITON:
                               KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1, C1,
                               KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
                               D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                              SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
+                              SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
         """Split path, first kernel, grid (head blocks, C, N): chunk c < C1 holds source 1's key columns
         c*SPLIT.., a later one source 2's (c - C1)*SPLIT.. Scratch (fp32): WS acc [N, C, H, D], WM m and
         WL l [N, C, H]."""
+        enter(PDL)
         c = tl.program_id(1)
         n = tl.program_id(2)
         offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -211,9 +216,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _split_merge_kernel(SINK, OUT, stride_on, stride_oh, H, WS, WM, WL, C,
-                            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+                            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                            PDL: tl.constexpr):
         """Split path, second kernel, grid (head blocks, D / BLOCK_D, N): token n's C chunks, in order,
         merged from the sink -> OUT[n, head block, slice of D] in OUT's dtype."""
+        enter(PDL)
         n = tl.program_id(2)
         offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -309,7 +316,7 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
             kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            num_warps=num_warps, **extra)
+            num_warps=num_warps, **extra, **pdl.args())
         return out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
@@ -323,11 +330,11 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
         kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1, C1,
         kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
         D=D, BLOCK_H=BLOCK_H, BLOCK_K=block_k, SPLIT=split, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl.args())
     block_d = min(D, MERGE_D)
     _split_merge_kernel[(hb, D // block_d, N)](
         sink, out, out.stride(0), out.stride(1), H, ws, wm, wl, C,
-        D=D, BLOCK_H=BLOCK_H, BLOCK_C=MERGE_C, BLOCK_D=block_d, num_warps=4)
+        D=D, BLOCK_H=BLOCK_H, BLOCK_C=MERGE_C, BLOCK_D=block_d, num_warps=4, **pdl.args())
     return out
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import HAVE_TRITON, on
+from . import HAVE_TRITON, on, pdl
 
 BLOCK = 1024
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 
     @triton.jit
     def swiglu_f32(g, u, limit, CLAMP: tl.constexpr):
@@ -25,7 +27,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _swiglu_kernel(G, U, W, OUT, cols, stride_g, stride_u, limit, HAS_W: tl.constexpr,
-                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+                       CLAMP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         r, cb = tl.program_id(0), tl.program_id(1)
         c = cb * BLOCK + tl.arange(0, BLOCK)
         m = c < cols
@@ -46,7 +49,7 @@ def _swiglu_to_kernel(gate: torch.Tensor, up: torch.Tensor, limit: float, row_we
     if R and cols:
         _swiglu_kernel[(R, triton.cdiv(cols, BLOCK))](gate, up, w, out, cols, gate.stride(0), up.stride(0),
                                                        float(limit), HAS_W=row_weight is not None,
-                                                       CLAMP=limit > 0, BLOCK=BLOCK, num_warps=4)
+                                                       CLAMP=limit > 0, BLOCK=BLOCK, num_warps=4, **pdl.args())
     return out
 
 
