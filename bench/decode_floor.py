@@ -15,6 +15,7 @@ from common import copy_bandwidth, report, sync, table, timed
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
 from dsv4.kernels import fp4_gemv, pdl
+from dsv4.model import moe
 
 
 CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
@@ -79,10 +80,14 @@ def main():
                          " the fused first half)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)")
+    ap.add_argument("--shared-overlap", action="store_true",
+                    help="the shared expert captured on a side stream (model.moe.SHARED_OVERLAP; off by default)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     if args.no_pdl:
         pdl.set_enabled(False)
+    if args.shared_overlap:
+        moe.SHARED_OVERLAP = True
     if args.gemv_max_rows is not None:
         fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
     if args.separate_gate_up:
@@ -136,7 +141,8 @@ def main():
             + (f", FP4 GEMV up to {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT:g} pairs per expert"
                + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
                if args.expert_format == "fp4" else "")
-            + (", plain launches (no PDL)" if args.no_pdl else ""))
+            + (", plain launches (no PDL)" if args.no_pdl else "")
+            + (", shared expert on a side stream" if args.shared_overlap else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"

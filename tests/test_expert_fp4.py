@@ -208,3 +208,24 @@ def test_only_the_first_active_blocks_hold_pairs(N, k, E, bm):
     ref_keep = torch.einsum("nk,nki,nkdi->nd", w * keep, h, w2[ids])
     assert torch.allclose(grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep), ref_keep.float(), rtol=1e-5,
                           atol=1e-6)
+
+
+def test_experts_take_the_shared_output_or_a_function_giving_it():
+    """``add`` as a function (MoE.forward's join of the shared expert's side stream) is called once, just before
+    the addition, and gives the bits of the tensor itself: the CPU loop and the grouped twin."""
+    cfg = get_preset("tiny")
+    g = torch.Generator().manual_seed(2)
+    ex = Experts(cfg)
+    ex.load_state_dict({n: torch.randn(getattr(ex, n).shape, generator=g) * 0.1 for n in ("w1", "w2", "w3")})
+    x = torch.randn(5, cfg.hidden_size, generator=g)
+    ids = torch.rand(5, cfg.n_routed_experts, generator=g).topk(cfg.n_experts_per_tok, dim=1).indices
+    w = torch.rand(5, cfg.n_experts_per_tok, generator=g)
+    shared = torch.randn(5, cfg.hidden_size, generator=g)
+    calls = []
+    late = lambda: calls.append(1) or shared  # noqa: E731
+    assert torch.equal(ex(x, w, ids, add=late, out_dtype=torch.bfloat16),
+                       ex(x, w, ids, add=shared, out_dtype=torch.bfloat16))
+    assert torch.equal(moe.grouped_experts(x, w, ids, ex.w1, ex.w2, ex.w3, ex.limit, add=late),
+                       moe.grouped_experts(x, w, ids, ex.w1, ex.w2, ex.w3, ex.limit, add=shared))
+    assert len(calls) == 2
+    assert not torch.equal(ex(x, w, ids, add=late), ex(x, w, ids))

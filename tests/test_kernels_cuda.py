@@ -99,6 +99,22 @@ def test_pdl_launches_give_the_bits_of_plain_launches():
     assert on == off
 
 
+def test_shared_expert_on_a_side_stream_gives_the_same_bits(monkeypatch):
+    """The shared expert captured on a second stream (model.moe.SHARED_OVERLAP), joined before the combine: the
+    tokens and logprobs of the same graphs with it on the main stream, bit for bit; the side stream was used.
+    Fails if the join came after the combine read its input."""
+    from dsv4.model import moe
+
+    seen, real = [], moe._side_stream
+    monkeypatch.setattr(moe, "_side_stream", lambda x: (lambda s: seen.append(s) or s)(real(x)))
+    monkeypatch.setattr(moe, "SHARED_OVERLAP", True)
+    on = _bf16_mtp_outputs()
+    assert any(s is not None for s in seen)
+    monkeypatch.setattr(moe, "SHARED_OVERLAP", False)
+    seen.clear()
+    assert on == _bf16_mtp_outputs() and seen and not any(seen)
+
+
 @pytest.mark.parametrize("N, k, E", [(1, 6, 32), (32, 6, 32), (64, 6, 33), (5, 2, 8), (3, 6, 7), (4, 8, 256)])
 def test_align_kernel_equals_twin(N, k, E):
     """dsv4.kernels.moe's one-program align (small batches on CUDA) against align_torch, exactly, with and

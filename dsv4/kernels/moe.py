@@ -333,11 +333,10 @@ def gate_up_torch(a: torch.Tensor, rows: torch.Tensor, w1: torch.Tensor, s1: tor
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, limit: float,
                     keep: torch.Tensor | None = None, scales: tuple | None = None,
-                    invariant: bool = False, add: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Routed-expert output [N, d] plus ``add`` [N, d] (the shared expert's), in ``out_dtype`` (same contract
-    as Experts.forward), no host sync on CUDA: the sum over a token's pairs, the addition and the rounding are
-    the combine's one kernel.
+                    invariant: bool = False, add=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Routed-expert output [N, d] plus ``add`` [N, d] (the shared expert's, or a function giving it), in
+    ``out_dtype`` (same contract as Experts.forward), no host sync on CUDA: the sum over a token's pairs, the
+    addition and the rounding are the combine's one kernel.
 
     ``keep`` [N, k] bool (expert parallelism): pairs with ``keep`` False belong to experts of other ranks.
     They are laid out as one extra expert E whose row blocks are skipped (no GEMM work) and contribute 0;
@@ -369,6 +368,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
         h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
     y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
+    add = add() if callable(add) else add  # Experts.forward's contract: a function is called just before adding
     if on(x):  # one kernel; the lines below are its twin
         return _combine(y, pair_pos, keep, N, k, add, out_dtype)
     y = y[pair_pos]

@@ -16,6 +16,24 @@ from .rows import Linear, linear
 from .rows import active as rows_active
 
 
+# With SHARED_OVERLAP the shared expert runs on a second stream of its device while a CUDA graph is captured
+# (decode, verify and prefill-chunk graphs): its three launches (FP8 or bf16 w1+w3, SwiGLU, w2) overlap the
+# router's, the expert alignment's and the routed experts' launches, most of them too small to fill the GPU at
+# decode sizes, and join the main stream just before the combine that adds them. Same kernels and inputs, so the same bits.
+# Off until measured on a GPU (bench/run_session23_gpu.sh; decode_floor.py --shared-overlap is the A/B).
+SHARED_OVERLAP = False
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The shared expert's stream on x's device while a graph is being captured there, else None."""
+    if not (SHARED_OVERLAP and x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    if x.device not in _side_streams:
+        _side_streams[x.device] = torch.cuda.Stream(x.device)
+    return _side_streams[x.device]
+
+
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, is_hash: bool):
         super().__init__()
@@ -59,10 +77,11 @@ class Experts(StackedExperts):
         self.grouped_kernel = kernels.enabled()
         self._make_weights(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add=None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Tokens grouped per expert. x: [N, d]; weights, ids: [N, k]. Returns the fp32 sum over each token's
-        experts plus ``add`` [N, d] (the shared expert's output), rounded once to ``out_dtype``: [N, d].
+        experts plus ``add`` [N, d] (the shared expert's output, or a function giving it, called right before
+        the addition: ``MoE.forward``'s join of the side stream), rounded once to ``out_dtype``: [N, d].
 
         On CUDA the grouping happens on the device (a Triton grouped GEMM, no host sync, graph-safe);
         this host-side loop is its plain-torch twin."""
@@ -89,7 +108,7 @@ class Experts(StackedExperts):
                 start += c
         y = torch.empty_like(out)
         y[order] = out
-        return add_to(y.view(N, k, -1).sum(dim=1), add, out_dtype)
+        return add_to(y.view(N, k, -1).sum(dim=1), add() if callable(add) else add, out_dtype)
 
 
 class SharedExpert(nn.Module):
@@ -124,6 +143,19 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [N, d], token_ids: [N] (hash routing) -> [N, d]."""
+        side = _side_stream(x) if self.shared_experts is not None and isinstance(self.experts, Experts) else None
+        if side is None:
+            weights, ids = self.gate(x, token_ids)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)  # routed + shared, rounded once
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(x)
         weights, ids = self.gate(x, token_ids)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)  # routed + shared, rounded once
+
+        def joined() -> torch.Tensor:  # the combine's input: the main stream waits for the side stream here
+            main.wait_stream(side)
+            return shared
+
+        return self.experts(x, weights, ids, add=joined, out_dtype=x.dtype)
