@@ -3,14 +3,15 @@
 A decode step is ~900 dependent launches; each waits for the last to finish and drain before its own programs
 start. With PDL (Hopper: ``launch_pdl=True`` and ``griddepcontrol.wait`` at the kernel's top) the next grid is
 launched while the previous one finishes, and a weight-streaming kernel can load weights that no kernel writes
-before it waits. Two chains, each timed as one captured graph (CUDA events, median of 5 replays):
+before it waits. Two chains:
 
 - tiny: CHAIN launches of a one-wave elementwise kernel, each reading the last one's output;
 - gemv: a 4096 x 4096 FP8-weight GEMV (the engine's GEMV scheme: 8 rows a program, 512 inputs a chunk) then a
   one-wave norm-like kernel on its output, LAYERS times over distinct weights (nothing in L2).
 
-Variants: plain launches; PDL with the wait first; PDL with the wait first and the dependents released right
-after it; (gemv) PDL with the first weight chunk loaded before the wait. The outputs of every variant are
+Timed by common.graph_us (the chain captured LAUNCHES times in one graph). Variants: plain launches; PDL with the
+wait first; PDL with the wait first and the dependents released right after it; (gemv) PDL with the first weight
+chunk loaded before the wait. The outputs of every variant are
 compared with the plain chain's, bit for bit."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from common import report, table
+from common import graph_us, report, table
 
 CHAIN = 400
 LAYERS = 40
@@ -71,24 +72,6 @@ def _norm_kernel(X, Y, d, PDL: tl.constexpr, EARLY: tl.constexpr, D: tl.constexp
     tl.store(Y + c, y.to(Y.dtype.element_ty), mask=c < d)
 
 
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[2]
-
-
 VARIANTS = [("plain", False, False, False), ("PDL, wait first", True, False, False),
             ("PDL, wait, release at once", True, True, False), ("PDL, weight chunk before wait", True, False, True),
             ("PDL, chunk before wait, release at once", True, True, True)]
@@ -116,10 +99,10 @@ def main():
         if pre:
             continue
         bufs[0].copy_(torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(1)))
-        ms = graph_ms(tiny(pdl, early))
+        us = graph_us(lambda i: tiny(pdl, early)(), copies=1)
         out = bufs[CHAIN % 2].clone()
         base = out if base is None else base
-        rows.append([f"tiny x {CHAIN}", name, f"{ms * 1e3 / CHAIN:.2f}", "", str(torch.equal(out, base))])
+        rows.append([f"tiny x {CHAIN}", name, f"{us / CHAIN:.2f}", "", str(torch.equal(out, base))])
 
     N = K = 4096
     ws = [(torch.randn(N, K, device=dev, generator=g) * 8).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
@@ -137,11 +120,11 @@ def main():
 
     base = None
     for name, pdl, early, pre in VARIANTS:
-        ms = graph_ms(gemv(pdl, early, pre))
+        us = graph_us(lambda i: gemv(pdl, early, pre)(), copies=1)
         out = xs[0].clone()
         base = out if base is None else base
-        gbs = LAYERS * N * K / (ms * 1e-3) / 1e9
-        rows.append([f"gemv 4096^2 fp8 + norm x {LAYERS}", name, f"{ms * 1e3 / LAYERS:.2f}", f"{gbs:.0f}",
+        gbs = LAYERS * N * K / (us * 1e-6) / 1e9
+        rows.append([f"gemv 4096^2 fp8 + norm x {LAYERS}", name, f"{us / LAYERS:.2f}", f"{gbs:.0f}",
                      str(torch.equal(out, base))])
     report("Programmatic dependent launch on chains of kernels in one CUDA graph",
            table(["chain", "variant", "us per link", "weight GB/s", "same bits as plain"], rows), a.append)
