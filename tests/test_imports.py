@@ -162,3 +162,24 @@ def test_the_switch_turns_every_kernel_off(monkeypatch):
     assert not K.enabled() and not K.on(x)
     K.set_enabled(True)
     assert K.enabled()
+
+
+def test_every_kernel_launched_with_pdl_waits_first():
+    """Programmatic dependent launch (``kernels.pdl``) is safe only if a kernel touches no memory before its
+    wait: every kernel a launch gives ``**pdl.args()`` takes ``PDL`` and its first statement is ``enter(PDL)``
+    (read from the source); and every kernel with a ``PDL`` parameter is launched that way."""
+    waits, launched = {}, set()
+    for m, path in MODULES.items():
+        if not m.startswith("dsv4.kernels.") or m == "dsv4.kernels.pdl":
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args):
+                body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+                waits[node.name] = ast.unparse(body[0]) == "enter(PDL)"
+            if isinstance(node, ast.Call) and any(k.arg is None and ast.unparse(k.value) == "pdl.args()"
+                                                  for k in node.keywords):
+                assert isinstance(node.func, ast.Subscript), f"{m}: {ast.unparse(node.func)}"
+                launched.add(ast.unparse(node.func.value))
+    assert launched and set(waits) == launched, (set(waits) ^ launched)
+    assert all(waits.values()), [k for k, ok in waits.items() if not ok]
