@@ -88,8 +88,8 @@ def test_pdl_launches_give_the_bits_of_plain_launches():
     Fails if a kernel touched memory before its wait."""
     from dsv4.kernels import pdl
 
-    assert pdl.args()["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
     on = _bf16_mtp_outputs()
+    assert pdl.args()["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
     pdl.set_enabled(False)
     try:
         assert pdl.args() == {"PDL": False}

@@ -31,7 +31,7 @@ def set_enabled(flag: bool) -> None:
 
 
 def _device_supports() -> bool:
-    if not (enabled() and torch.cuda.is_available()):
+    if not (enabled() and torch.cuda.is_initialized()):  # a kernel on a CUDA tensor has initialised CUDA
         return False
     dev = torch.cuda.current_device()
     if dev not in _supported:
@@ -45,7 +45,10 @@ def _device_supports() -> bool:
 def args() -> dict:
     """A kernel launch's PDL keywords on the current device: the kernel's ``PDL`` constexpr (its ``enter``
     waits) and, only with it, Triton's ``launch_pdl``."""
-    return {"PDL": True, "launch_pdl": True} if _enabled and _device_supports() else {"PDL": False}
+    return _ON if _enabled and _device_supports() else _OFF
+
+
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # read-only: ** copies them at each launch
 
 
 if HAVE_TRITON:
