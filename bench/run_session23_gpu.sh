@@ -8,7 +8,7 @@
 # 0.36 us a boundary in bench/pdl_gpu.py showed as 0.07 ms in the step.
 set -u
 PYTEST_ADDOPTS="-k 'side_stream or pdl or padded_buckets or equals_dense_reference'" \
-  TESTS="tests/test_kernels_cuda.py" TEST_TIMEOUT=${TEST_TIMEOUT:-200} TEST_TAIL=10 BENCH_TIMEOUT=110 BENCH_TAIL=40 \
+  TESTS="tests/test_engine_cuda.py" TEST_TIMEOUT=${TEST_TIMEOUT:-200} TEST_TAIL=10 BENCH_TIMEOUT=110 BENCH_TAIL=40 \
   bash bench/device_call.sh \
   "decode_floor.py --preset flash-L20-E128 --expert-format fp4 --linear-format fp8 --batch 1 8 --steps 10 --shared-overlap" \
   "decode_floor.py --preset flash-L20-E128 --expert-format fp4 --linear-format fp8 --batch 1 8 --steps 10" \

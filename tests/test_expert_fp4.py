@@ -3,7 +3,7 @@
 A DeepSeek-layout checkpoint's experts are FP4 already, so the packed model must compute exactly what the
 dequantised one computes (the packing is the inverse of the decode at read); random presets are rounded to FP4
 and then equal a dequantised model of the rounded weights. The Triton kernel's twin test is in
-test_kernels_cuda.py."""
+test_kernel_fp4_cuda.py."""
 
 import pytest
 import torch

@@ -5,7 +5,8 @@ CUDA (run on the device machine: `pytest -m cuda`)."""
 import pytest
 import torch
 
-from .test_kernels_cuda import _engine, rel_err
+from .test_engine_cuda import _engine
+from .test_kernels_cuda import rel_err
 
 pytestmark = pytest.mark.cuda
 

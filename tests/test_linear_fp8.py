@@ -3,7 +3,7 @@
 A DeepSeek-layout checkpoint's linears are FP8 already, so the FP8 model must compute exactly what the
 dequantised one computes (the quantisation at load is the inverse of the decode at read); random presets are
 rounded to FP8 and then equal a dequantised model of the rounded weights. The Triton kernel's twin tests are
-in test_kernels_cuda.py."""
+in test_kernel_fp8_linear_cuda.py."""
 
 import pytest
 import torch

@@ -1,0 +1,204 @@
+"""The engine on CUDA: against the dense reference (fp32, exact), its fast paths against their plain twins (the
+FP8 cache, CUDA graphs with padding, the overlap scheduler, programmatic dependent launch, the shared expert on a
+side stream), bf16 logits within bounds. Skipped without CUDA (run on the device machine: `pytest -m cuda`).
+The kernels one by one against their torch twins: test_kernel*_cuda.py."""
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+
+def dense_greedy(model, prompts, n):
+    """Greedy continuation by the dense reference path, one full forward per token."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
+            outs.append(ids[len(p):])
+    return outs
+
+
+def _engine(model, **kw):
+    from dsv4 import LLM
+
+    kw.setdefault("kv_cache_config", {"max_tokens": 8192})
+    return LLM(model, device="cuda", dtype="fp32", max_batch_size=8, max_num_tokens=128, max_seq_len=512, **kw)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_engine_on_cuda_equals_dense_reference(k):
+    """fp32 on the GPU, Triton attention for decode/verify: greedy output equals the dense reference, and
+    MTP on equals MTP off (batches of 5 with drafts, decode steps through the kernel)."""
+    from dsv4 import SamplingParams
+
+    rng = random.Random(k)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 200)]
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None
+    llm = _engine("tiny", speculative_config=spec)
+    assert llm.engine.runner.use_kernels
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    assert out == dense_greedy(llm.model, prompts, 16)
+
+
+def test_fp8_cache_kernel_path_equals_torch_path():
+    """The seed's cache dtype: an FP8 KV cache on the kernel path (CUDA graphs on, MTP 2) gives the greedy tokens
+    of the plain-torch attention path over the same FP8 cache (fp32 model)."""
+    from dsv4 import SamplingParams
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    kw = dict(speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+              kv_cache_config={"max_tokens": 8192, "dtype": "fp8"})
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _engine("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
+    llm = _engine("tiny", cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]}, **kw)
+    assert llm.engine.runner.use_kernels and llm.engine.runner.graphs is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    assert llm.engine.runner.graphs.num_replays > 0
+
+
+def _bf16_mtp_outputs():
+    """tiny in bf16 (where a race or a reordering would show), FP8 cache, MTP 2, decode graphs with padding and
+    prefill graphs, a greedy and a seeded sampled request: each request's tokens and logprobs."""
+    from dsv4 import LLM, SamplingParams
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 300)]
+    sp = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2) for _ in prompts]
+    sp[1] = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_k=40, seed=5, logprobs=2)
+    llm = LLM("tiny", device="cuda", dtype="bf16", max_batch_size=8, max_num_tokens=128, max_seq_len=512,
+              kv_cache_config={"max_tokens": 8192, "dtype": "fp8"},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+              cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]})
+    out = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)]
+    assert llm.engine.runner.graphs.num_replays > 0
+    return out
+
+
+def test_pdl_launches_give_the_bits_of_plain_launches():
+    """Every kernel launched with programmatic dependent launch (the default from Hopper on) computes what plain
+    launches compute, in the same order: the same tokens and logprobs, bit for bit (``_bf16_mtp_outputs``).
+    Fails if a kernel touched memory before its wait."""
+    from dsv4.kernels import pdl
+
+    on = _bf16_mtp_outputs()
+    assert pdl.args()["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    pdl.set_enabled(False)
+    try:
+        assert pdl.args() == {"PDL": False}
+        off = _bf16_mtp_outputs()
+    finally:
+        pdl.set_enabled(True)
+    assert on == off
+
+
+def test_shared_expert_on_a_side_stream_gives_the_same_bits(monkeypatch):
+    """The shared expert captured on a second stream (model.moe.SHARED_OVERLAP), joined before the combine: the
+    tokens and logprobs of the same graphs with it on the main stream, bit for bit; the side stream was used.
+    Fails if the join came after the combine read its input."""
+    from dsv4.model import moe
+
+    seen, real = [], moe._side_stream
+    monkeypatch.setattr(moe, "_side_stream", lambda x: (lambda s: seen.append(s) or s)(real(x)))
+    monkeypatch.setattr(moe, "SHARED_OVERLAP", True)
+    on = _bf16_mtp_outputs()
+    assert any(s is not None for s in seen)
+    monkeypatch.setattr(moe, "SHARED_OVERLAP", False)
+    seen.clear()
+    assert on == _bf16_mtp_outputs() and seen and not any(seen)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
+    """fp32, CUDA graphs on with padding: 5 decoding requests replay the 8 bucket; tokens equal the dense
+    reference and MTP on equals MTP off."""
+    from dsv4 import SamplingParams
+
+    rng = random.Random(10 + k)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None
+    llm = _engine("tiny", speculative_config=spec, cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]})
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.capture
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    assert graphs.num_replays > 0
+    assert out == dense_greedy(llm.model, prompts, 16)
+
+
+def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
+    """fp32, CUDA graphs on: the overlap scheduler (inputs taken from the device, copies that do not wait)
+    gives the tokens and finish reasons of the same engine with it off, with stop tokens that end requests
+    while their next step is already launched and a sampled request; and it did overlap."""
+    from dsv4 import SamplingParams
+    from dsv4.engine import runner as runner_mod
+
+    seen, real = [], runner_mod.pending_inputs
+    monkeypatch.setattr(runner_mod, "pending_inputs", lambda seqs, prev: (lambda r: seen.append(len(r[0])) or r)(
+        real(seqs, prev)))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    kw = dict(cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]})
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (16, 7, 12, 16, 9)]
+    ref = [o.outputs[0].token_ids for o in _engine("tiny", disable_overlap_scheduler=True, **kw).generate(prompts, sp)]
+    for i in (0, 3):
+        sp[i] = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[ref[i][5]])
+    # drawn on the device when overlapped; EOS ignored, so the two stop tokens are the only early ends
+    sp[2] = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_k=50, seed=3)
+    off = _engine("tiny", disable_overlap_scheduler=True, **kw)
+    ref = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, sp)]
+    seen.clear()
+    on = _engine("tiny", **kw)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in on.generate(prompts, sp)] == ref
+    assert sum(seen) > 0 and on.engine.runner.graphs.num_replays > 0
+    assert [r[1] for r in ref].count("stop") == 2
+
+
+def test_bf16_teacher_forced_logits_match_dense_reference():
+    """bf16 on the GPU: the engine's prefill, decode and verify paths (graphs and padding on) give the
+    logits of the bf16 dense reference at the same positions, within bf16 bounds. The kernels sum in another
+    order than the dense torch ops, and a rounding difference can flip one discrete choice on a row (an
+    indexer top-k pick, then an expert): one of the six steps may then be off by more, never by a wrong
+    pass's error (the fp32 tests are exact)."""
+    from dsv4 import LLM
+    from dsv4.cache.manager import SeqStep
+    from dsv4.engine.request import Request
+    from dsv4.engine.sampling_params import SamplingParams
+    from dsv4.engine.scheduler import ScheduledSeq
+
+    llm = LLM("tiny", device="cuda", dtype="bf16", max_batch_size=4, max_num_tokens=128, max_seq_len=256,
+              kv_cache_config={"max_tokens": 4096}, cuda_graph_config={"enable_padding": True, "batch_sizes": [2]},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    eng, rng = llm.engine, random.Random(3)
+    toks = [rng.randrange(2, 256) for _ in range(80)]
+    with torch.no_grad():
+        dense = llm.model(torch.tensor([toks], device="cuda"))[0].float()  # [T, V]
+    req = Request("tf", toks[:40], SamplingParams())
+    eng.cache.admit("tf")
+    pos, errs, graphed = 0, [], 0
+
+    def step(n, drafts, accept):
+        nonlocal pos, graphed
+        seq = ScheduledSeq(req, tuple(toks[pos:pos + n]), True, tuple(toks[pos + n - len(drafts):pos + n]))
+        eng.cache.reserve("tf", pos + n)
+        plan = eng.cache.begin_step([SeqStep("tf", n, 0)], device="cuda", **eng.runner.padding_for([seq]))
+        graphed += eng.runner._graphed(plan)
+        out = eng.runner.forward([seq], plan).logits[0].float()  # rows pos+n-1-len(drafts) .. pos+n-1
+        ref = dense[pos + n - 1 - len(drafts):pos + n]
+        errs.append(((out - ref).norm() / ref.norm()).item())
+        eng.cache.commit_step(plan, [accept])
+        pos += accept
+
+    step(30, (), 30)       # prefill chunk
+    step(10, (), 10)       # another chunk
+    step(1, (), 1)         # decode
+    step(3, (1, 2), 3)     # verify, all accepted
+    step(3, (1, 2), 1)     # verify, drafts rejected: rolled back
+    step(3, (1, 2), 2)
+    eng.cache.free("tf")
+    assert graphed >= 3
+    assert sorted(errs)[-2] < 3e-2 and max(errs) < 0.5, errs
