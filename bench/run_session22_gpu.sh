@@ -6,7 +6,7 @@
 # 11.75 ms at batch 1 / 8 on 9a8aa6f, or with BASE_TREE: a checkout of an earlier commit, run in the same call).
 set -u
 PYTEST_ADDOPTS="-k 'rope or project or compressor_rows or fp8_linear or pool or equals_dense_reference or fp8_cache or graphs or overlap'" \
-  TESTS="tests/test_kernel_fp8_linear_cuda.py tests/test_kernels_cuda.py" TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
+  TESTS="tests/test_kernel_fp8_linear_cuda.py tests/test_kernels_cuda.py tests/test_engine_cuda.py" TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
   TEST_TAIL=25 BENCH_TIMEOUT=170 BENCH_TAIL=20 \
   bash bench/device_call.sh "decode_floor.py --preset flash-L20-E128 --expert-format fp4 --linear-format fp8 --batch 1 8 --steps 10"
 if [ -n "${BASE_TREE:-}" ]; then
