@@ -80,14 +80,15 @@ def main():
                          " the fused first half)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)")
-    ap.add_argument("--shared-overlap", action="store_true",
-                    help="the shared expert captured on a side stream (model.moe.SHARED_OVERLAP; off by default)")
+    ap.add_argument("--no-shared-overlap", action="store_true",
+                    help="the shared expert on the main stream, not captured on a side stream"
+                         " (model.moe.SHARED_OVERLAP's A/B)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     if args.no_pdl:
         pdl.set_enabled(False)
-    if args.shared_overlap:
-        moe.SHARED_OVERLAP = True
+    if args.no_shared_overlap:
+        moe.SHARED_OVERLAP = False
     if args.gemv_max_rows is not None:
         fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
     if args.separate_gate_up:
@@ -142,7 +143,7 @@ def main():
                + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
                if args.expert_format == "fp4" else "")
             + (", plain launches (no PDL)" if args.no_pdl else "")
-            + (", shared expert on a side stream" if args.shared_overlap else ""))
+            + (", shared expert on the main stream" if args.no_shared_overlap else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"
