@@ -14,7 +14,7 @@ from common import copy_bandwidth, report, sync, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
-from dsv4.kernels import fp4_gemv, pdl
+from dsv4.kernels import fp4_gemv, fp8_linear, pdl
 from dsv4.model import moe
 
 
@@ -83,8 +83,18 @@ def main():
     ap.add_argument("--no-shared-overlap", action="store_true",
                     help="the shared expert on the main stream, not captured on a side stream"
                          " (model.moe.SHARED_OVERLAP's A/B)")
+    ap.add_argument("--no-fp8-row-kernel", action="store_true",
+                    help="FP8 linears: one-row products on the general GEMV, not the one-row kernel"
+                         " (kernels.fp8_linear.ROW_KERNEL's A/B)")
+    ap.add_argument("--fp8-row-tile", default=None, metavar="BLOCK_N/BLOCK_K/PREFETCH",
+                    help=f"the one-row FP8 kernel's tile (default {fp8_linear.ROW_CONFIG})")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    if args.no_fp8_row_kernel:
+        fp8_linear.ROW_KERNEL = False
+    if args.fp8_row_tile:
+        bn, bk, pf = (int(v) for v in args.fp8_row_tile.split("/"))
+        fp8_linear.ROW_CONFIG.update(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pf))
     if args.no_pdl:
         pdl.set_enabled(False)
     if args.no_shared_overlap:
@@ -143,7 +153,9 @@ def main():
                + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
                if args.expert_format == "fp4" else "")
             + (", plain launches (no PDL)" if args.no_pdl else "")
-            + (", shared expert on the main stream" if args.no_shared_overlap else ""))
+            + (", shared expert on the main stream" if args.no_shared_overlap else "")
+            + (", FP8 one-row products on the general GEMV" if args.no_fp8_row_kernel and args.linear_format == "fp8"
+               else f", FP8 one-row kernel tile {args.fp8_row_tile}" if args.fp8_row_tile else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"

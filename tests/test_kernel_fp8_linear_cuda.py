@@ -27,6 +27,8 @@ pytestmark = pytest.mark.cuda
     (1, 8, 1024, 4096, None),   # wo_a at batch 1: 16 a program, inside one scale block row
     (1, 1, 200, 1000, None),    # one row (the GEMV's scale-block loop), K ending inside a block
     (1, 1, 300, 1000, 2),       # one row, a forced split whose second part ends inside a block
+    (1, 1, 1536, 4096, 2),      # the one-row kernel with a forced split (wq_a + wkv)
+    (1, 1, 4096, 8192, None),   # wo_b at batch 1: the one-row kernel, N a multiple of its tile
 ])
 def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     """The weight-only FP8 kernels (tensor cores, and the GEMV where it fits; split-K or not, grouped or not)
@@ -44,11 +46,17 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     wrong = s.clone()
     wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs
     r = min(N, G * N - (G * N - 1) // 128 * 128)
-    for gemv in (False, True) if M <= 4 and f8.gemv_shape(G, N) else (False,):  # (the GEMV forced past its rows)
-        out = f8._launch(x, w, s, split=split, gemv=gemv)
+    paths = [(False, None)]  # (gemv, config): the tensor cores, the GEMV (forced past its rows), the one-row kernel
+    if M <= 4 and f8.gemv_shape(G, N):
+        paths.append((True, None))
+    if f8.row_kernel_fits(M, G, N, K, w):
+        paths += [("row", None), ("row", {"PREFETCH": False}), ("row", {"BLOCK_N": 8, "BLOCK_K": 1024})]
+    for gemv, cfg in paths:
+        out = f8._launch(x, w, s, config=cfg, split=split, gemv=gemv)
         assert out.dtype == dtype and out.shape == (M, G, N)
-        assert rel_err(out, ref) < tol, (gemv, rel_err(out, ref))
-        assert rel_err(f8._launch(x, w, wrong, split=split, gemv=gemv)[:, -1, -r:], ref[:, -1, -r:]) > 10 * tol
+        assert rel_err(out, ref) < tol, (gemv, cfg, rel_err(out, ref))
+        bad = f8._launch(x, w, wrong, config=cfg, split=split, gemv=gemv)
+        assert rel_err(bad[:, -1, -r:], ref[:, -1, -r:]) > 10 * tol, (gemv, cfg)
     if G == 1:  # the engine's calls: the GEMV where it fits (one row)
         assert rel_err(f8.fp8_linear(x[:, 0], q, s), ref[:, 0]) < tol
     else:

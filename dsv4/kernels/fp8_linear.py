@@ -8,7 +8,9 @@ bytes of a bf16 weight. At decode sizes the output columns alone do not fill the
 (split-K) into partial sums [S, M, N] added in a fixed order afterwards (deterministic, no atomics). Products of
 at most GEMV_MAX_ROWS rows run a GEMV on the CUDA cores instead (``_fp8_gemv_kernel``: no tile of 16 rows to
 pad, the weight widened to float32 and multiplied by the rows' inputs times their block's scale, element-wise
-accumulation, one reduction at the end), with the same split-K.
+accumulation, one reduction at the end), with the same split-K. One-row products whose K is in whole chunks take
+``_fp8_row_kernel`` (ROW_KERNEL): the weight read as 32-bit words of 4 codes, each widened by two hardware
+conversions, fewer instructions per weight byte (the GEMV is bound by issuing them, not by memory).
 
 ``fp8_linear_torch`` (dequantise the weight, then one GEMM) is the twin: same products, other summation
 order. Steps of more than ``KERNEL_MAX_ROWS`` rows (prefill chunks) take it on the GPU too: there the GEMM is
@@ -40,6 +42,24 @@ GEMV_MAX_ACC = 8192  # float32 accumulator elements per GEMV program (rows x BLO
 # at 16; at 4096 outputs and fewer 8 is best
 GEMV_PROGRAMS = 512
 GEMV_MAX_BLOCK_N = 32
+# One row (the engine's GEMV products at decode): ``_fp8_row_kernel`` reads the weight as 32-bit words of 4 codes and
+# widens each word with two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 conversions (inline PTX), where the general
+# GEMV's widening went through byte permutes and a shared-memory relayout of the inputs in every chunk: compiled for
+# sm_90 (bench/kernel_sass.py), its K loop has 130 instructions for 32 weight bytes a thread against 282: the GEMV
+# was bound by issuing instructions, not by memory. On an H100 (bench/fp8_row_gpu.py, BENCHMARKS.md) Flash's
+# one-row projections took 20-25% less time (wq_b 13.6 against 16.8 us, 84% of the copy bandwidth), and the
+# flash-L20-E128 step 4.30 against 4.54 ms. PREFETCH loads the next chunk's words before this chunk's products.
+# The sweep found BLOCK_N 8 faster on most projections (not yet measured in the step). ROW_KERNEL = False: the
+# general GEMV for one row too (decode_floor.py --no-fp8-row-kernel).
+ROW_KERNEL = True
+ROW_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
+
+
+def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor) -> bool:
+    """Whether ``_fp8_row_kernel`` can take an [M, G, K] x [G, N, K] product: one row, K in whole chunks of
+    ROW_CONFIG's BLOCK_K, the weight's rows whole 32-bit words."""
+    return (M == 1 and gemv_shape(G, N) and K % ROW_CONFIG["BLOCK_K"] == 0 and weight.storage_offset() % 4 == 0
+            and weight.data_ptr() % 4 == 0)
 
 
 def gemv_block_n(outputs: int) -> int:
@@ -114,12 +134,17 @@ def gemv_fits(M: int, G: int, N: int) -> bool:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: dict | None = None,
-            split: int | None = None, gemv: bool | None = None) -> torch.Tensor:
+            split: int | None = None, gemv: bool | str | None = None) -> torch.Tensor:
     """x [M, G, K] (unit stride along K), weight [G, N, K] e4m3 contiguous, scale over [G * N, K] -> [M, G, N].
-    ``gemv``: None = the GEMV kernel where ``gemv_fits``, else the tensor-core kernel (False) or the GEMV (True);
-    ``config`` is the chosen kernel's (CONFIG or GEMV_CONFIG keys)."""
+    ``gemv``: None = the engine's choice (the one-row kernel where ``row_kernel_fits`` with ROW_KERNEL, else the
+    GEMV where ``gemv_fits``, else the tensor-core kernel); False the tensor-core kernel, True the GEMV, "row" the
+    one-row kernel. ``config`` is the chosen kernel's (CONFIG, GEMV_CONFIG or ROW_CONFIG keys)."""
     M, G, K = x.shape
     N = weight.shape[1]
+    if gemv is None and ROW_KERNEL and row_kernel_fits(M, G, N, K, weight):
+        gemv = "row"
+    if gemv == "row":
+        return _launch_row(x, weight, scale, {**ROW_CONFIG, **(config or {})}, split)
     gemv = gemv_fits(M, G, N) if gemv is None else gemv
     cfg = {**(dict(GEMV_CONFIG, BLOCK_N=gemv_block_n(G * N)) if gemv else CONFIG), **(config or {})}
     BN = cfg["BLOCK_N"]
@@ -150,6 +175,28 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
         _fp8_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0), k_per_split,
                           triton.cdiv(M, BM), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, IEEE=x.dtype == torch.float32,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.args())
+    return out[0] if S == 1 else out.sum(0).to(x.dtype)
+
+
+def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: dict,
+                split: int | None) -> torch.Tensor:
+    """``_launch`` for one row on ``_fp8_row_kernel`` (``row_kernel_fits``); ``cfg``: ROW_CONFIG's keys."""
+    M, G, K = x.shape
+    N = weight.shape[1]
+    BN, BK = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if not (M == 1 and gemv_shape(G, N)) or BLOCK % BN or BK % BLOCK or K % BK or weight.storage_offset() % 4:
+        raise ValueError(f"the one-row FP8 GEMV takes one row, groups of whole {BLOCK}-row blocks, BLOCK_N dividing"
+                         f" {BLOCK} and K in whole BLOCK_K chunks, got {M} x {G} x {N} x {K} with {cfg}")
+    k_blocks = K // BK
+    S = split or split_for(triton.cdiv(N, BN) * G, k_blocks)
+    k_per_split = triton.cdiv(k_blocks, S) * BK
+    S = triton.cdiv(K, k_per_split)
+    out = torch.empty(S, 1, G, N, dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
+    _fp8_row_kernel[(triton.cdiv(N, BN), S, G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(1),
+                                                   scale.stride(0), k_per_split, BLOCK_N=BN, BLOCK_K=BK, SB=BLOCK,
+                                                   PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"],
+                                                   num_stages=cfg["num_stages"],
+                                                   **pdl.args())
     return out[0] if S == 1 else out.sum(0).to(x.dtype)
 
 
@@ -191,6 +238,64 @@ if HAVE_TRITON:
             acc += part * s[:, None]
         dst = OUT + ((split * M + rm[None, :]) * G + g) * N + rn[:, None]
         tl.store(dst, acc.to(OUT.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+    @triton.jit
+    def e4m3_word(w):
+        """int32 words of 4 e4m3 codes (input 4i + t in byte t) -> 4 float32 tensors (the t-th holding inputs 4i + t),
+        exact: each half-word to two float16 (cvt.rn.f16x2.e4m3x2, sm_89 on), each float16 to float32."""
+        return tl.inline_asm_elementwise("""{
+        .reg .b16 lo, hi, a0, a1, b0, b1;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {a0, a1}, a;
+        mov.b32 {b0, b1}, b;
+        cvt.f32.f16 $0, a0;
+        cvt.f32.f16 $1, a1;
+        cvt.f32.f16 $2, b0;
+        cvt.f32.f16 $3, b1;
+        }""", "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+    @triton.jit
+    def _fp8_row_kernel(X, W, S, OUT, N, K, stride_xg, stride_s, k_per_split, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
+        # One row: W read as int32 words [G * N, K / 4]; each word's 4 widened codes times the 4 inputs they
+        # meet (the inputs split into 4 strided runs, each scaled by its block's scale, exact), accumulated
+        # element-wise per word column in float32 and summed over the columns once at the end
+        pid_n, split, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        G = tl.num_programs(2)
+        BW: tl.constexpr = BLOCK_K // 4
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        i = tl.arange(0, BW)
+        w_rows = W + (g * N + rn).to(tl.int64)[:, None] * (K // 4)
+        s_row = S + ((g * N + pid_n * BLOCK_N) // SB) * stride_s  # one block row (gemv_shape)
+        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        k_start = split * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        if PREFETCH:  # the next chunk's words are loaded before this chunk's products: two chunks in flight
+            nxt = tl.load(w_rows + (k_start // 4 + i)[None, :], mask=n_ok[:, None], other=0)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if PREFETCH:
+                words = nxt
+                nxt = tl.load(w_rows + ((k0 + BLOCK_K) // 4 + i)[None, :], mask=n_ok[:, None] & (k0 + BLOCK_K < k_end),
+                              other=0)
+            else:
+                words = tl.load(w_rows + (k0 // 4 + i)[None, :], mask=n_ok[:, None], other=0)
+            sc = tl.load(s_row + (k0 + 4 * i) // SB)
+            x = tl.reshape(tl.load(X + g * stride_xg + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
+            x_even, x_odd = tl.split(x)  # inputs 4i + t: t % 2, then t // 2
+            x0, x2 = tl.split(x_even)
+            x1, x3 = tl.split(x_odd)
+            o0, o1, o2, o3 = e4m3_word(words)
+            acc += o0 * (x0 * sc)[None, :]
+            acc += o1 * (x1 * sc)[None, :]
+            acc += o2 * (x2 * sc)[None, :]
+            acc += o3 * (x3 * sc)[None, :]
+        out = tl.sum(acc, axis=1)
+        tl.store(OUT + (split * G + g) * N + rn, out.to(OUT.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split,
