@@ -33,6 +33,8 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--gate-up-only", action="store_true", help="only the first half's table (with --sweep: every tile)")
+    ap.add_argument("--gemv-sweep-only", action="store_true", help="with --sweep: the tensor-core GEMM at its default"
+                    " tile only")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     E, k, d, I = a.experts, 6, 4096, 2048
@@ -48,11 +50,12 @@ def main():
             del w
     configs = [GEMV_CONFIG]
     if a.sweep:  # tiles and warps
-        tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)]
+        tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (8, 16, 32) for bk in (256, 512, 1024, 2048)
+                 for w in (4, 8)]
         configs += [dict(GEMV_CONFIG, **t) for t in tiles]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     tc_configs = [GEMM_CONFIG_FP4]
-    if a.sweep:
+    if a.sweep and not a.gemv_sweep_only:
         tc_configs += [dict(GEMM_CONFIG_FP4, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                        for bn, bk, w in ((64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 256, 4),
                                          (128, 256, 8), (32, 512, 4), (64, 512, 8)) for st in (2, 3, 4)]
@@ -116,7 +119,7 @@ def main():
     gu_configs = [None]  # the engine's choice (gate_up_config)
     if a.sweep:
         gu_configs += [dict(GEMV_CONFIG_GATE_UP, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-                       for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8)]
+                       for bn in (4, 8, 16) for bk in (256, 512, 1024, 2048) for w in (4, 8)]
         gu_configs = [c for i, c in enumerate(gu_configs) if c not in gu_configs[:i]]
     for B in a.batch:
         ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()
