@@ -22,13 +22,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def kernels():
     """name -> (JIT function, argument types, constexprs, arguments divisible by 16, warps)."""
-    from dsv4.kernels import fp4_gemv, fp8_linear
+    from dsv4.kernels import fp4_gemv, fp8_linear, moe
     fp8 = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "OUT": "*bf16"}
     fp8_div = ("X", "W", "S", "OUT", "N", "K", "stride_xm", "stride_xg", "stride_s", "k_per_split")
     fp4 = {"A": "*bf16", "ROWS": "*i32", "W": "*i32", "W3": "*i32", "S": "*u8", "S3": "*u8", "C": "*bf16",
-           "BLOCK_EXPERT": "*i32", "ROW_W": "*fp32", "limit": "fp32"}
+           "BLOCK_EXPERT": "*i64", "ROW_W": "*fp32", "limit": "fp32"}
     fp4_div = ("A", "ROWS", "W", "W3", "S", "S3", "C", "BLOCK_EXPERT", "ROW_W", "stride_am", "stride_we",
                "stride_wn", "stride_se", "stride_sn", "stride_cm", "N", "K")
+    fp4_tc = {"A": "*bf16", "ROWS": "*i32", "W": "*i32", "C": "*bf16", "BLOCK_EXPERT": "*i64", "S": "*u8"}
+    fp4_tc_div = ("A", "ROWS", "W", "C", "BLOCK_EXPERT", "S", "stride_am", "stride_we", "stride_wn", "stride_cm", "N",
+                  "K", "stride_se", "stride_sn")
+    tc = moe.GEMM_CONFIG_FP4
     row = fp8_linear.ROW_CONFIG
     gate_up = fp4_gemv.GEMV_CONFIG_GATE_UP_FEW
     return {
@@ -41,6 +45,9 @@ def kernels():
                         dict(GATHER=True, GATE_UP=True, CLAMP=True, BLOCK_M=16, BLOCK_N=gate_up["BLOCK_N"],
                              BLOCK_K=gate_up["BLOCK_K"], EVEN_K=True, ASM=True, PDL=True), fp4_div,
                         gate_up["num_warps"]),
+        "fp4_tc": (moe._grouped_gemm_kernel, fp4_tc,
+                   dict(GATHER=True, BLOCK_M=16, BLOCK_N=tc["BLOCK_N"], BLOCK_K=tc["BLOCK_K"], IEEE=False, FP4=True,
+                        ASM=True, EVEN_K=True, PDL=True), fp4_tc_div, tc["num_warps"]),
     }
 
 
