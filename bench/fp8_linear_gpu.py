@@ -36,6 +36,15 @@ GEMV_SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": 4}
 GEMV_SWEEP += [{"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}]
 
 
+def fp8_weights(G: int, N: int, K: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """COPIES random [G, N, K] weights rounded to FP8: (e4m3 values, float32 block scales) each."""
+    out = []
+    for _ in range(COPIES):
+        q, s = quant_fp8_block(torch.randn(G * N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+        out.append((q.view(G, N, K), e8m0_to_float(s)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 32])
@@ -47,12 +56,8 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, G, N, K in SHAPES:
-        q8, bf = [], []
-        for _ in range(COPIES):
-            w = torch.randn(G * N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-            q, s = quant_fp8_block(w)
-            q8.append((q.view(G, N, K), e8m0_to_float(s)))
-            bf.append(f8.dequantize(q, e8m0_to_float(s), torch.bfloat16).view(G, N, K))
+        q8 = fp8_weights(G, N, K, g)
+        bf = [f8.dequantize(q, s, torch.bfloat16) for q, s in q8]
         for M in a.rows:
             x = torch.randn(M, G, K, device="cuda", generator=g, dtype=torch.bfloat16)
             ref = torch.einsum("mgk,gnk->mgn", x.double(), bf[0].double())

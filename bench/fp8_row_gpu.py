@@ -12,9 +12,8 @@ import itertools
 
 import torch
 from common import copy_bandwidth, graph_us, report, table
-from fp8_linear_gpu import COPIES, SHAPES
+from fp8_linear_gpu import COPIES, SHAPES, fp8_weights
 
-from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
 from dsv4.kernels import fp8_linear as f8
 
 SWEEP = [({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p}, None)
@@ -34,10 +33,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, G, N, K in SHAPES:
-        q8 = []
-        for _ in range(COPIES):
-            q, s = quant_fp8_block(torch.randn(G * N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
-            q8.append((q.view(G, N, K), e8m0_to_float(s)))
+        q8 = fp8_weights(G, N, K, g)
         w64 = f8.dequantize(*q8[0], torch.float64)
         bf = [f8.dequantize(*q8[i], torch.bfloat16) for i in range(2)]
         x = torch.randn(1, G, K, device="cuda", generator=g, dtype=torch.bfloat16)
