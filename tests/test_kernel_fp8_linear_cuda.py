@@ -81,3 +81,25 @@ def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():
     out = [o.outputs[0].token_ids for o in f8.generate(prompts, sp)]
     assert f8.engine.runner.graphs.num_replays > 0
     assert out == [o.outputs[0].token_ids for o in twin.generate(prompts, sp)]
+
+
+def test_engine_at_flash_widths_takes_the_one_row_kernel_and_equals_its_dequantised_twin(monkeypatch):
+    """fp32, CUDA graphs, one request at a time on flash-L2-E8 (Flash's widths: each decode step's FP8 products
+    are one row with K in whole 512-input chunks, so they take ``_fp8_row_kernel`` inside the captured graphs):
+    the greedy tokens of the same FP8-rounded weights dequantised, and the one-row kernel ran."""
+    from dsv4 import SamplingParams
+    from dsv4.kernels import fp8_linear
+
+    from .fp8_twin import round_fp8_linears
+
+    launches, real = [], fp8_linear._launch_row
+    monkeypatch.setattr(fp8_linear, "_launch_row", lambda *a: launches.append(a[1].shape) or real(*a))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, list(range(2, 90))]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    f8 = _engine("flash-L2-E8", linear_format="fp8")
+    out = [f8.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    assert f8.engine.runner.graphs.num_replays > 0 and launches
+    del f8
+    twin = _engine("flash-L2-E8")
+    round_fp8_linears(twin.model)
+    assert out == [twin.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
