@@ -90,3 +90,16 @@ def verify_path(monkeypatch):
     monkeypatch.setattr(LLMEngine, "overlaps_steps",
                         property(lambda self: real_overlaps.fget(self) and (state["device"] or not self.draft_len)))
     return state
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    """A random tiny checkpoint in DeepSeek's layout and a one-request dataset beside it (bad-input tests break
+    copies of it)."""
+    from dsv4.checkpoint.init_random import init_random_checkpoint
+
+    d = tmp_path_factory.mktemp("ckpt") / "tiny"
+    init_random_checkpoint("tiny", str(d), seed=0)
+    ds = d.parent / "ds.jsonl"
+    ds.write_text('{"task_id": 0, "input_ids": [1, 2, 3], "output_tokens": 2}\n')
+    return d, ds
