@@ -28,11 +28,17 @@ LAYERS = 40
 
 
 @triton.jit
-def _tiny_kernel(X, Y, n, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr):
+def _start(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """The variants' dependency handling: PDL waits for the predecessor; EARLY then releases the next kernel."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _tiny_kernel(X, Y, n, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr):
+    _start(PDL, EARLY)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(Y + offs, (x * 0.999 + 0.001).to(Y.dtype.element_ty), mask=offs < n)
@@ -47,10 +53,7 @@ def _gemv_kernel(X, W, OUT, N, K, PDL: tl.constexpr, EARLY: tl.constexpr, PREFET
     k0 = 0
     if PREFETCH:  # the weights are no kernel's output: the first chunk is loaded before the wait
         w0 = tl.load(W + rn[:, None] * K + rk[None, :])
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    _start(PDL, EARLY)
     if PREFETCH:
         acc += w0.to(tl.float32) * tl.load(X + rk).to(tl.float32)[None, :]
         k0 = BLOCK_K
@@ -62,10 +65,7 @@ def _gemv_kernel(X, W, OUT, N, K, PDL: tl.constexpr, EARLY: tl.constexpr, PREFET
 
 @triton.jit
 def _norm_kernel(X, Y, d, PDL: tl.constexpr, EARLY: tl.constexpr, D: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    _start(PDL, EARLY)
     c = tl.arange(0, D)
     x = tl.load(X + c, mask=c < d, other=0.0).to(tl.float32)
     y = x / tl.sqrt(tl.sum(x * x, axis=0) / d + 1e-6)

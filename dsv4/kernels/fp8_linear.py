@@ -58,8 +58,7 @@ ROW_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "
 def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor) -> bool:
     """Whether ``_fp8_row_kernel`` can take an [M, G, K] x [G, N, K] product: one row, K in whole chunks of
     ROW_CONFIG's BLOCK_K, the weight's rows whole 32-bit words."""
-    return (M == 1 and gemv_shape(G, N) and K % ROW_CONFIG["BLOCK_K"] == 0 and weight.storage_offset() % 4 == 0
-            and weight.data_ptr() % 4 == 0)
+    return M == 1 and gemv_shape(G, N) and K % ROW_CONFIG["BLOCK_K"] == 0 and weight.data_ptr() % 4 == 0
 
 
 def gemv_block_n(outputs: int) -> int:
@@ -159,12 +158,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
             BK //= 2
     else:
         BM, BK = _block_m(M), BLOCK
-    k_blocks = triton.cdiv(K, BK)
     tiles = (1 if gemv else triton.cdiv(M, BM)) * triton.cdiv(N, BN) * G
-    S = split or split_for(tiles, k_blocks)
-    k_per_split = triton.cdiv(k_blocks, S) * BK
-    S = triton.cdiv(K, k_per_split)  # no empty split
-    out = torch.empty(S, M, G, N, dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
+    out, k_per_split = _partials(x, N, BK, tiles, split)
+    S = out.shape[0]
     if gemv:
         grid = (triton.cdiv(N, BN), S, G)
         _fp8_gemv_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0),
@@ -175,7 +171,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
         _fp8_kernel[grid](x, weight, scale, out, M, N, K, x.stride(0), x.stride(1), scale.stride(0), k_per_split,
                           triton.cdiv(M, BM), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, IEEE=x.dtype == torch.float32,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.args())
-    return out[0] if S == 1 else out.sum(0).to(x.dtype)
+    return _sum_partials(out, x.dtype)
+
+
+def _partials(x: torch.Tensor, N: int, BK: int, tiles: int, split: int | None) -> tuple[torch.Tensor, int]:
+    """The split-K of an [M, G, K] x [G, N, K] product run in chunks of BK inputs over ``tiles`` output tiles
+    (``split``: forced, else ``split_for``): its partial sums' buffer [S, M, G, N] (float32 when S > 1, else the
+    output itself in x's dtype) and the inputs per split, so that no split is empty."""
+    M, G, K = x.shape
+    k_blocks = triton.cdiv(K, BK)
+    S = split or split_for(tiles, k_blocks)
+    k_per_split = triton.cdiv(k_blocks, S) * BK
+    S = triton.cdiv(K, k_per_split)
+    return torch.empty(S, M, G, N, dtype=torch.float32 if S > 1 else x.dtype, device=x.device), k_per_split
+
+
+def _sum_partials(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[M, G, N]: the one split's output, or the splits' partials added in a fixed order."""
+    return out[0] if out.shape[0] == 1 else out.sum(0).to(dtype)
 
 
 def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: dict,
@@ -184,20 +197,15 @@ def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     M, G, K = x.shape
     N = weight.shape[1]
     BN, BK = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if not (M == 1 and gemv_shape(G, N)) or BLOCK % BN or BK % BLOCK or K % BK or weight.storage_offset() % 4:
+    if not (M == 1 and gemv_shape(G, N)) or BLOCK % BN or BK % BLOCK or K % BK or weight.data_ptr() % 4:
         raise ValueError(f"the one-row FP8 GEMV takes one row, groups of whole {BLOCK}-row blocks, BLOCK_N dividing"
                          f" {BLOCK} and K in whole BLOCK_K chunks, got {M} x {G} x {N} x {K} with {cfg}")
-    k_blocks = K // BK
-    S = split or split_for(triton.cdiv(N, BN) * G, k_blocks)
-    k_per_split = triton.cdiv(k_blocks, S) * BK
-    S = triton.cdiv(K, k_per_split)
-    out = torch.empty(S, 1, G, N, dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
-    _fp8_row_kernel[(triton.cdiv(N, BN), S, G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(1),
+    out, k_per_split = _partials(x, N, BK, triton.cdiv(N, BN) * G, split)
+    _fp8_row_kernel[(triton.cdiv(N, BN), out.shape[0], G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(1),
                                                    scale.stride(0), k_per_split, BLOCK_N=BN, BLOCK_K=BK, SB=BLOCK,
                                                    PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"],
-                                                   num_stages=cfg["num_stages"],
-                                                   **pdl.args())
-    return out[0] if S == 1 else out.sum(0).to(x.dtype)
+                                                   num_stages=cfg["num_stages"], **pdl.args())
+    return _sum_partials(out, x.dtype)
 
 
 if HAVE_TRITON:
