@@ -49,10 +49,11 @@ GEMV_MAX_BLOCK_N = 32
 # was bound by issuing instructions, not by memory. On an H100 (bench/fp8_row_gpu.py, BENCHMARKS.md) Flash's
 # one-row projections took 20-25% less time (wq_b 13.6 against 16.8 us, 84% of the copy bandwidth), and the
 # flash-L20-E128 step 4.30 against 4.54 ms. PREFETCH loads the next chunk's words before this chunk's products.
-# The sweep found BLOCK_N 8 faster on most projections (not yet measured in the step). ROW_KERNEL = False: the
-# general GEMV for one row too (decode_floor.py --no-fp8-row-kernel).
+# The sweep found BLOCK_N 8 faster on most projections, and so it measured in the step: 4.21 against 4.38 ms at
+# BLOCK_N 16 (flash-L20-E128, batch 1, H100, one call; --fp8-row-tile). ROW_KERNEL = False: the general GEMV for
+# one row too (decode_floor.py --no-fp8-row-kernel).
 ROW_KERNEL = True
-ROW_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
+ROW_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
 
 
 def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor) -> bool:

@@ -12,7 +12,10 @@ from . import HAVE_TRITON, pdl
 
 FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 BLOCK_E = 1  # one expert row per program: at batch 1 the experts are the only parallelism
-BLOCK_D = 1024
+# Inputs per step of a logits program: all of Flash's 4096 at once, so each program has its whole expert row in
+# flight (at batch 1 a program per expert, 128 of them; with four dependent 1024-input steps a launch took 6.1 us
+# on an H100, flash-L20-E128, and 3.5 us with one: BENCHMARKS.md, 25th session)
+BLOCK_D = 4096
 
 if HAVE_TRITON:
     import triton
@@ -93,7 +96,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2
     if N:
         tokens = 1 if N <= 64 else 16  # decode: tokens x experts programs; prefill: expert rows read once per 16
         _gate_logits[(triton.cdiv(N, tokens), triton.cdiv(E, BLOCK_E))](
-            x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=BLOCK_D, TOKENS=tokens, num_warps=4, **pdl.args())
+            x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=min(BLOCK_D, triton.next_power_of_2(d)),
+            TOKENS=tokens, num_warps=4, **pdl.args())
         hashed = tid2eid is not None
         _gate_route[(N,)](logits, bias.float().contiguous() if bias is not None else logits,
                           tid2eid.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids,
