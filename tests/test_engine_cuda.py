@@ -103,12 +103,27 @@ def test_shared_expert_on_a_side_stream_gives_the_same_bits(monkeypatch):
     Fails if the join came after the combine read its input."""
     from dsv4.model import moe
 
-    seen, real = [], moe._side_stream
-    monkeypatch.setattr(moe, "_side_stream", lambda x: (lambda s: seen.append(s) or s)(real(x)))
-    monkeypatch.setattr(moe, "SHARED_OVERLAP", True)
+    _side_stream_gives_the_same_bits(monkeypatch, moe, "SHARED_OVERLAP")
+
+
+def test_mhc_sinkhorn_on_a_side_stream_gives_the_same_bits(monkeypatch):
+    """The mHC Sinkhorn captured on a second stream (model.mhc.MHC_OVERLAP), joined before the write-back: the
+    tokens and logprobs of the same graphs with it on the main stream, bit for bit; the side stream was used.
+    Fails if the write-back read the comb before the join."""
+    from dsv4.model import mhc
+
+    _side_stream_gives_the_same_bits(monkeypatch, mhc, "MHC_OVERLAP")
+
+
+def _side_stream_gives_the_same_bits(monkeypatch, module, flag: str):
+    """``_bf16_mtp_outputs`` with ``module.flag`` on (the module's side_stream handed out a stream) equals it
+    with the flag off (it handed out none), the other side-stream users left as they are."""
+    seen, real = [], module.side_stream
+    monkeypatch.setattr(module, "side_stream", lambda x, enabled: (lambda s: seen.append(s) or s)(real(x, enabled)))
+    monkeypatch.setattr(module, flag, True)
     on = _bf16_mtp_outputs()
     assert any(s is not None for s in seen)
-    monkeypatch.setattr(moe, "SHARED_OVERLAP", False)
+    monkeypatch.setattr(module, flag, False)
     seen.clear()
     assert on == _bf16_mtp_outputs() and seen and not any(seen)
 

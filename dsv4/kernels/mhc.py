@@ -7,13 +7,19 @@ The collapse runs in two launches. ``_mix_partials`` splits the n*d inputs of ea
 writes, per chunk, its dot products with the mixing rows and its sum of squares; ``_collapse`` adds the
 chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
 the weighted sum over a slice of d. Each token's result depends on its own inputs only (batch-invariant).
+``_sinkhorn`` then turns the comb logits into the comb in place: 2 x 20 dependent normalisations of a 4 x 4
+matrix, latency that nothing reads until the write-back after the sub-block (``_post``), so under a graph
+capture it can run on a side stream beside the sub-block (``model.mhc.MHC_OVERLAP``).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import HAVE_TRITON, on, pdl
+from .side_stream import fork
 
 BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs per token)
 MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N is: the reductions' layout
@@ -49,7 +55,7 @@ if HAVE_TRITON:
                  mask=live[:, None] & (r <= R)[None, :])
 
     @triton.jit
-    def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, U, eps, norm_eps, K, d, iters: tl.constexpr,
+    def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, U, eps, norm_eps, K, d,
                   n: tl.constexpr, KBP: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
                   SLICES: tl.constexpr, PDL: tl.constexpr):
         """Grid (N, cdiv(d, BLOCK * SLICES)): token t's weights from its partials (each program computes
@@ -65,21 +71,14 @@ if HAVE_TRITON:
         m_pre = tl.sum(tl.load(prow[:, None] + i[None, :], mask=mkb[:, None], other=0.0), axis=0) * inv
         pre = tl.sigmoid(tl.load(SCALE) * m_pre + tl.load(BASE + i)) + eps
         if not HEAD:
-            if db == 0:  # one program per token writes the write-back weights
+            if db == 0:  # one program per token writes the write-back weights and the comb logits
                 m_post = tl.sum(tl.load(prow[:, None] + n + i[None, :], mask=mkb[:, None], other=0.0), axis=0)
                 post = 2 * tl.sigmoid(tl.load(SCALE + 1) * (m_post * inv) + tl.load(BASE + n + i))
                 jk = i[:, None] * n + i[None, :]  # [j, k]
                 m_c = tl.sum(tl.load(prow[:, None, None] + 2 * n + jk[None, :, :], mask=mkb[:, None, None],
                                      other=0.0), axis=0) * inv
-                c = tl.load(SCALE + 2) * m_c + tl.load(BASE + 2 * n + jk)
-                c = tl.exp(c - tl.max(c, axis=1)[:, None])
-                c = c / tl.sum(c, axis=1)[:, None] + eps  # softmax over k, then + eps
-                c = c / (tl.sum(c, axis=0)[None, :] + eps)  # columns first
-                for _ in range(iters - 1):
-                    c = c / (tl.sum(c, axis=1)[:, None] + eps)
-                    c = c / (tl.sum(c, axis=0)[None, :] + eps)
                 tl.store(POST + t * n + i, post)
-                tl.store(COMB + t * n * n + jk, c)
+                tl.store(COMB + t * n * n + jk, tl.load(SCALE + 2) * m_c + tl.load(BASE + 2 * n + jk))
         for j in range(SLICES):
             c_ = (db * SLICES + j) * BLOCK + tl.arange(0, BLOCK)
             mc = c_ < d
@@ -87,6 +86,23 @@ if HAVE_TRITON:
                         other=0.0).to(tl.float32)
             u = tl.sum(pre[:, None] * x, axis=0)
             tl.store(U + t.to(tl.int64) * d + c_, u.to(U.dtype.element_ty), mask=mc)
+
+    @triton.jit
+    def _sinkhorn(COMB, eps, iters: tl.constexpr, n: tl.constexpr, PDL: tl.constexpr):
+        """Grid (N,): token t's comb logits [j, k], in place, to the Sinkhorn-normalised comb: softmax over k
+        plus eps, then columns and rows alternately (``iters`` passes, columns first)."""
+        enter(PDL)
+        t = tl.program_id(0)
+        i = tl.arange(0, n)
+        jk = i[:, None] * n + i[None, :]
+        c = tl.load(COMB + t * n * n + jk)
+        c = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = c / tl.sum(c, axis=1)[:, None] + eps  # softmax over k, then + eps
+        c = c / (tl.sum(c, axis=0)[None, :] + eps)  # columns first
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + eps)
+            c = c / (tl.sum(c, axis=0)[None, :] + eps)
+        tl.store(COMB + t * n * n + jk, c)
 
     @triton.jit
     def _post(Y, X, POST, COMB, OUT, d, n: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -116,7 +132,7 @@ def usable(X: torch.Tensor) -> bool:
 
 
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                     eps: float, norm_eps: float, head: bool):
+                     eps: float, norm_eps: float, head: bool, side=None):
     N, n, d = X.shape
     K, R = n * d, fn.shape[0]
     X = X.contiguous()
@@ -133,16 +149,21 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
         slices = collapse_slices(N, d)
         _collapse[(N, triton.cdiv(d, BLOCK_D * slices))](P, KB, X, X.stride(0), scale.float().contiguous(),
                                                          base.float().contiguous(), post, comb, u, eps, norm_eps,
-                                                         K, d, iters=iters, n=n, KBP=triton.next_power_of_2(KB),
+                                                         K, d, n=n, KBP=triton.next_power_of_2(KB),
                                                          HEAD=head, BLOCK=BLOCK_D, SLICES=slices,
-                                                         num_warps=1, **pdl.args())  # Sinkhorn: warp-local reductions
+                                                         num_warps=1, **pdl.args())
+        if not head:  # the Sinkhorn: a chain of 2 * iters dependent normalisations, on the side stream if given
+            with fork(side, X.device) if side is not None else contextlib.nullcontext():
+                _sinkhorn[(N,)](comb, eps, iters=iters, n=n, num_warps=1, **pdl.args())  # warp-local reductions
     return u, post, comb
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float):
-    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``."""
-    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False)
+           norm_eps: float, side=None):
+    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``.
+    ``side``: a stream (``side_stream``) the Sinkhorn forks onto; comb is then ready only after a join
+    with it, and must stay alive until then."""
+    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from ..kernels import mhc as kernel
+from ..kernels.side_stream import join, side_stream
 from .rows import linear
+
+# With MHC_OVERLAP the Sinkhorn of each collapse (kernels.mhc._sinkhorn: 2 x 20 dependent normalisations of the
+# 4 x 4 comb, one warp, latency only) runs on the side stream while a CUDA graph is captured, beside the sub-block
+# it precedes; the write-back joins it. Same kernels and inputs, so the same bits. Measured on an H100
+# (flash-L20-E128, FP4 experts, FP8 linears, batch 1; decode_floor.py --no-mhc-overlap is the A/B): overlapped
+# step 4.05 against 4.18 ms (BENCHMARKS.md, 25th session).
+MHC_OVERLAP = True
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -23,8 +31,8 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Ten
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
            eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n])."""
-    if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
-        return kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+    if kernel.usable(X):  # three kernels on the GPU; the lines below are their twin
+        return kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps, side_stream(X, MHC_OVERLAP))
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
     base, scale = base.float(), scale.float()
@@ -42,7 +50,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * y + sum_j comb[j, k] * X_j (the sum runs over the FIRST index of comb)."""
-    if kernel.usable(X):  # one fused kernel on the GPU; the lines below are its twin
+    if kernel.usable(X):  # one fused kernel on the GPU (after hc_pre's Sinkhorn); the lines below are its twin
+        join(side_stream(X, MHC_OVERLAP), X.device)
         return kernel.hc_post(y, X, post, comb)
     out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("njk,njd->nkd", comb, X.float())
     return out.to(X.dtype)

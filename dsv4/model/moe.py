@@ -13,6 +13,7 @@ from .expert_weights import StackedExperts
 from .fused import FusedLinears, project
 from .ops import add_to, swiglu_to
 from .rows import Linear, linear
+from ..kernels.side_stream import fork, join, side_stream
 from .rows import active as rows_active
 
 
@@ -24,16 +25,6 @@ from .rows import active as rows_active
 # Measured on an H100 (flash-L20-E128, FP4 experts, FP8 linears; decode_floor.py --no-shared-overlap is the A/B):
 # overlapped step 4.57 against 4.81 ms at batch 1, 10.75 against 11.16 at batch 8 (BENCHMARKS.md, 24th session).
 SHARED_OVERLAP = True
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """The shared expert's stream on x's device while a graph is being captured there, else None."""
-    if not (SHARED_OVERLAP and x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    if x.device not in _side_streams:
-        _side_streams[x.device] = torch.cuda.Stream(x.device)
-    return _side_streams[x.device]
 
 
 class Gate(nn.Module):
@@ -145,19 +136,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [N, d], token_ids: [N] (hash routing) -> [N, d]."""
-        side = _side_stream(x) if self.shared_experts is not None and isinstance(self.experts, Experts) else None
+        side = (side_stream(x, SHARED_OVERLAP) if self.shared_experts is not None and isinstance(self.experts, Experts)
+                else None)
         if side is None:
             weights, ids = self.gate(x, token_ids)
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)  # routed + shared, rounded once
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)  # x is ready
-        with torch.cuda.stream(side):
+        with fork(side, x.device):  # after x is ready
             shared = self.shared_experts(x)
         weights, ids = self.gate(x, token_ids)
 
         def joined() -> torch.Tensor:  # the combine's input: the main stream waits for the side stream here
-            main.wait_stream(side)
+            join(side, x.device)
             return shared
 
         return self.experts(x, weights, ids, add=joined, out_dtype=x.dtype)
