@@ -47,10 +47,10 @@ def test_every_gemm_of_an_invariant_step_sees_the_same_row_count(monkeypatch):
     outs = {}
     for invariant in (False, True):
         llm = LLM("tiny", warmup=False, max_seq_len=64, speculative_config=mtp, batch_invariant=invariant)
-        monkeypatch.setattr(rows.F, "linear", spy)
+        monkeypatch.setattr(F, "linear", spy)
         seen.clear()
         outs[invariant] = llm.generate(prompts, sp)
-        monkeypatch.setattr(rows.F, "linear", real)
+        monkeypatch.setattr(F, "linear", real)
         assert seen
         if invariant:
             assert set(seen) == {rows.ROWS}, sorted(set(seen))

@@ -17,9 +17,9 @@ import contextlib
 import contextvars
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.bf16_gemv import linear as bf16_linear
 from ..kernels.fp8_linear import BLOCK as FP8_BLOCK, dequantize, fp8_linear, grouped_fp8_linear
 
 ROWS = 128  # rows per GEMM under batch invariance: a decode/verify step of 32 requests x (1 + 3 drafts) in one
@@ -52,8 +52,9 @@ def _chunked(x: torch.Tensor, rows: int, fn) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias), per row the same for any number of rows under ``fixed_rows``.
-    ``scale``: the weight is FP8 with these block scales (``dsv4.kernels.fp8_linear``)."""
-    fn = (lambda c: F.linear(c, weight)) if scale is None else (lambda c: fp8_linear(c, weight, scale))
+    ``scale``: the weight is FP8 with these block scales (``dsv4.kernels.fp8_linear``); without, a one-row
+    product of a bf16 weight runs ``dsv4.kernels.bf16_gemv`` on CUDA."""
+    fn = (lambda c: bf16_linear(c, weight)) if scale is None else (lambda c: fp8_linear(c, weight, scale))
     rows = _fixed.get()
     if rows is None:
         return fn(x)

@@ -1,0 +1,86 @@
+"""One-row products with bf16 weights (the linears DeepSeek ships in bf16: the compressors', the indexer's
+weights_proj, fused per layer by ``model.fused``, and the head) on the CUDA cores.
+
+At a decode step of one request cuBLAS runs a compressor product as a split-K GEMM plus a reduction kernel: two
+launches, 8.1 + 1.8 us a layer for 8-22 MB of weight on an H100 (flash-L20-E128). ``_row_kernel`` reads the
+weight as 32-bit words of two values (each widened to float32 by a shift or a mask: one integer op a value),
+times the inputs split into their even and odd runs, accumulated element-wise and summed once at the end: one
+launch, no partial sums. BLOCK_N shrinks (to 4) so that a small product still has about ROW_PROGRAMS programs.
+Measured on an H100 (bench/bf16_row_gpu.py, BENCHMARKS.md, 25th session): 9.1 against 12.0 us on a ratio-4
+layer's 2624 x 4096, 6.0 against 7.6 on a ratio-128 layer's 1024 x 4096, 331 against 364 us on the head
+(129280 x 4096); the flash-L20-E128 step at batch 1 4.03 against 4.11 ms with the compressors' products and the
+head on it (decode_floor.py --no-bf16-row-kernel). The twin is ``F.linear`` (same products, other summation
+order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import HAVE_TRITON, on, pdl
+
+ENABLED = True  # False: one-row bf16 products stay on cuBLAS (decode_floor.py --no-bf16-row-kernel)
+BLOCK_K = 512  # inputs per chunk; K must be whole chunks
+ROW_PROGRAMS = 256  # BLOCK_N halves from MAX_BLOCK_N (down to 4) until the outputs make at least this many programs
+MAX_BLOCK_N = 16
+
+
+def block_n(N: int) -> int:
+    bn = MAX_BLOCK_N
+    while bn > 4 and N < bn * ROW_PROGRAMS:
+        bn //= 2
+    return bn
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row (x [..., K] with one row in all), a contiguous bf16 weight [N, K] of x's dtype, K in whole
+    chunks, on CUDA."""
+    return (ENABLED and on(x, weight) and x.numel() == x.shape[-1] and weight.dim() == 2
+            and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+            and weight.is_contiguous() and x.shape[-1] % BLOCK_K == 0 and weight.data_ptr() % 4 == 0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` on the one-row kernel where it is ``usable``."""
+    return launch(x, weight) if usable(x, weight) else F.linear(x, weight)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None) -> torch.Tensor:
+    """The kernel on a ``usable`` product whatever its size; ``bn``: BLOCK_N (None: ``block_n``)."""
+    N, K = weight.shape
+    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    bn = bn or block_n(N)
+    _row_kernel[(triton.cdiv(N, bn),)](x.reshape(-1).contiguous(), weight.view(torch.int32), out, N, K,
+                                        BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4, num_stages=1, **pdl.args())
+    return out
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .pdl import enter
+
+    @triton.jit
+    def _row_kernel(X, W, OUT, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """OUT[n] = sum_k X[k] W[n, k] for BLOCK_N outputs, W read as int32 words [N, K / 2] (value 2i in the low
+        half, 2i + 1 in the high half); the next chunk's words load before this chunk's products."""
+        enter(PDL)
+        BW: tl.constexpr = BLOCK_K // 2
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        i = tl.arange(0, BW)
+        w_rows = W + rn.to(tl.int64)[:, None] * (K // 2)
+        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        nxt = tl.load(w_rows + i[None, :], mask=n_ok[:, None], other=0)
+        for k0 in range(0, K, BLOCK_K):
+            words = nxt
+            nxt = tl.load(w_rows + ((k0 + BLOCK_K) // 2 + i)[None, :], mask=n_ok[:, None] & (k0 + BLOCK_K < K),
+                          other=0)
+            lo = (words << 16).to(tl.float32, bitcast=True)  # the even input's weight (bf16 bits as float32)
+            hi = (words & -65536).to(tl.float32, bitcast=True)
+            x_even, x_odd = tl.split(tl.reshape(tl.load(X + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
+            acc += lo * x_even[None, :]
+            acc += hi * x_odd[None, :]
+        tl.store(OUT + rn, tl.sum(acc, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
