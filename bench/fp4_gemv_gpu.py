@@ -35,8 +35,12 @@ def main():
     ap.add_argument("--gate-up-only", action="store_true", help="only the first half's table (with --sweep: every tile)")
     ap.add_argument("--gemv-sweep-only", action="store_true", help="with --sweep: the tensor-core GEMM at its default"
                     " tile only")
+    ap.add_argument("--join-sweep", action="store_true", help="sweep GEMV tiles with JOIN (the decoded tiles joined,"
+                    " fp4_gemv.join8) against the defaults; the tensor-core GEMM at its default only")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
+    if a.join_sweep:
+        a.sweep, a.gemv_sweep_only = True, True
     E, k, d, I = a.experts, 6, 4096, 2048
     bw = copy_bandwidth()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -52,6 +56,8 @@ def main():
     if a.sweep:  # tiles and warps
         tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (8, 16, 32) for bk in (256, 512, 1024, 2048)
                  for w in (4, 8)]
+        if a.join_sweep:
+            tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, JOIN=True) for bn in (8, 16, 32) for bk in (256, 512)]
         configs += [dict(GEMV_CONFIG, **t) for t in tiles]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     tc_configs = [GEMM_CONFIG_FP4]
@@ -120,6 +126,9 @@ def main():
     if a.sweep:
         gu_configs += [dict(GEMV_CONFIG_GATE_UP, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                        for bn in (4, 8, 16) for bk in (256, 512, 1024, 2048) for w in (4, 8)]
+        if a.join_sweep:
+            gu_configs[1:] = [dict(GEMV_CONFIG_GATE_UP, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, JOIN=True)
+                              for bn in (8, 16, 32) for bk in (256, 512)]
         gu_configs = [c for i, c in enumerate(gu_configs) if c not in gu_configs[:i]]
     for B in a.batch:
         ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(b))[:k] for b in range(B)]).cuda()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp4_kernels_decode_every_code_and_scale(dtype):
-    """Both FP4 kernels (the tensor-core GEMM and the GEMV) on random code bytes (every nibble, the subnormal
+    """Both FP4 kernels (the tensor-core GEMM and the GEMV, its tiles split or joined) on random code bytes (every nibble, the subnormal
     0.5 and -0 among them) and scale bytes 40..200 (2**-87 .. 2**73: past what one bfloat16 factor of 2**(b-1)
     holds), against their torch twin on the same sorted layout, per output column (each column's scales within
     a factor 8 of each other, so every group counts). float32 activations: the sums' order apart; bf16: the
@@ -38,7 +38,9 @@ def test_fp4_kernels_decode_every_code_and_scale(dtype):
         valid = (rows >= 0).cpu()
         tc = moe._grouped_gemm(a, rows, codes, block_expert, True, m_pad, scale=scale, block_m=bm)
         gemv = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm)
-        for name, out in (("tensor-core GEMM", tc), ("GEMV", gemv)):
+        joined = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm,
+                                   {"BLOCK_K": 128, "JOIN": True})
+        for name, out in (("tensor-core GEMM", tc), ("GEMV", gemv), ("GEMV, tiles joined", joined)):
             got, ref = out.cpu()[valid].double(), twin[valid].double()
             err = ((got - ref).norm(dim=0) / ref.norm(dim=0)).max().item()  # per column: scales differ by 2**157
             assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (bm, name, err)
@@ -111,6 +113,9 @@ def test_engine_with_fp4_experts_on_cuda_equals_its_dequantised_twin():
     (8, 96, 160, 5, 2, 0.0, None),        # I not a whole tile, K = 160 not a whole BLOCK_K, no clamp
     (4, 64, 512, 7, 3, 0.3, None),        # several pairs per expert (pairs of rows, an odd one), a clamp that bites
     (4, 64, 512, 7, 3, 0.3, {"BLOCK_N": 32, "BLOCK_K": 128}),
+    (128, 2048, 4096, 1, 6, 10.0, {"BLOCK_N": 16, "BLOCK_K": 512, "JOIN": True}),  # the decoded tiles joined
+    (4, 64, 512, 7, 3, 0.3, {"BLOCK_N": 32, "BLOCK_K": 256, "JOIN": True}),  # joined, pairs of rows, an odd one
+    (8, 96, 160, 5, 2, 0.0, {"BLOCK_N": 8, "BLOCK_K": 128, "JOIN": True}),  # joined, K not a whole BLOCK_K
 ])
 def test_fp4_gemv_gate_up_equals_float64_swiglu(dtype, E, I, d, N, k, limit, config):
     from dsv4.checkpoint.quant import pack_fp4_stacked

@@ -29,12 +29,16 @@ from . import HAVE_TRITON, pdl
 GEMV_MAX_ROWS_PER_EXPERT = 1  # pairs per expert, on average, up to which the GEMV path runs
 # The single GEMV runs w2 (w1 and w3 run fused, below): 16/512 took 18.2 / 108 / 376 us at batch 1 / 8 / 32 of
 # 128 experts on an H100, 32/256 19.9 / 122 / 398 (bench/fp4_gemv_gpu.py --sweep, BENCHMARKS.md)
-GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # BLOCK_K: 32s
+GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "JOIN": True}  # BLOCK_K: 32s
+# JOIN (``join8``): 17.0 against 17.5 us for w2 at batch 1, and the first half at batch 1 (GEMV_CONFIG_GATE_UP_FEW)
+# 30.9 against 32.5 (H100, fp4_gemv_gpu.py --join-sweep, BENCHMARKS.md 25th session); not measured at batch 8,
+# where GEMV_CONFIG_GATE_UP keeps the split inputs
 # w1 and w3 in one program hold two weights' decoded tiles (at BLOCK_N 32 and BLOCK_K 256, 255 registers a thread
 # compiled for sm_90; at 16, 128). Measured on an H100 with 128 experts: 8/512 best at batch 1 (33.4 us against
 # 38.9 for the three launches), 16/256 from batch 8 on (204 against 219 at 8, 386 against 404 at 16)
 GEMV_CONFIG_GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
-GEMV_CONFIG_GATE_UP_FEW = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}  # blocks <= experts / 4
+GEMV_CONFIG_GATE_UP_FEW = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3,
+                           "JOIN": True}  # blocks <= experts / 4
 GATE_UP_FUSED = True  # w1, w3 and the SwiGLU as one launch at decode sizes (bench/decode_floor.py's A/B: False)
 
 
@@ -158,14 +162,28 @@ if HAVE_TRITON:
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def _row_inputs(a, k0, K, BW: tl.constexpr, EVEN_K: tl.constexpr):
-        """One row's inputs k0 .. k0 + 8 BW in float32, as the 8 strided runs ``e2m1_word``'s tiles take."""
+    def _row_inputs(a, k0, K, BW: tl.constexpr, EVEN_K: tl.constexpr, JOIN: tl.constexpr):
+        """One row's inputs k0 .. k0 + 8 BW in float32, as the 8 strided runs ``e2m1_word``'s tiles take, or with
+        JOIN as [BW, 2, 2, 2] (input 8i + 4u + 2v + w at [i, u, v, w]), the layout ``join8`` gives the codes."""
         k = k0 + tl.arange(0, 8 * BW)
         x = (tl.load(a + k) if EVEN_K else tl.load(a + k, mask=k < K, other=0.0)).to(tl.float32)
-        return split8(tl.reshape(x, [BW, 2, 2, 2]))
+        x = tl.reshape(x, [BW, 2, 2, 2])
+        if JOIN:
+            return x
+        else:
+            return split8(x)
 
     @triton.jit
-    def _weight_tile(w_rows, s_rows, k0, K, i, g, n_ok, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    def join8(o):
+        """``e2m1_word``'s 8 tiles [..., BW] as one [..., BW, 2, 2, 2] (code 4u + 2v + w of word i at [i, u, v, w]):
+        the joined dimensions are each thread's own registers, so inputs in that layout meet their codes
+        without being split into 8 strided runs first."""
+        return tl.join(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])),
+                       tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])))
+
+    @triton.jit
+    def _weight_tile(w_rows, s_rows, k0, K, i, g, n_ok, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                     JOIN: tl.constexpr):
         """The codes of inputs k0 .. k0 + BLOCK_K for BLOCK_N outputs, decoded (8 tiles [BLOCK_N, BW], 2**-14
         of the values) and the group scales [BLOCK_N, G] that undo the 2**-14."""
         if EVEN_K:
@@ -175,15 +193,23 @@ if HAVE_TRITON:
             words = tl.load(w_rows + (k0 // 8 + i)[None, :], mask=n_ok[:, None] & (k0 + 8 * i < K)[None, :], other=0)
             sb = tl.load(s_rows + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & (k0 + 32 * g < K)[None, :], other=0)
         sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(b-127) * 2**14; 0 -> 0
-        return e2m1_word(words, ASM), sc
+        o = e2m1_word(words, ASM)
+        if JOIN:
+            return join8(o), sc
+        else:
+            return o, sc
 
     @triton.jit
-    def _word_dot(x, o, sc, BLOCK_N: tl.constexpr, BW: tl.constexpr):
+    def _word_dot(x, o, sc, BLOCK_N: tl.constexpr, BW: tl.constexpr, JOIN: tl.constexpr):
         """A row's split inputs ``x`` against the decoded words ``o``: the sum per group of 32 inputs (4 words),
         scaled by ``sc`` -> [BLOCK_N, BW / 4] (summed across groups, and so across threads, after the K loop)."""
-        p = o[0] * x[0][None, :] + o[1] * x[1][None, :] + o[2] * x[2][None, :] + o[3] * x[3][None, :]
-        p += o[4] * x[4][None, :] + o[5] * x[5][None, :] + o[6] * x[6][None, :] + o[7] * x[7][None, :]
-        return tl.sum(tl.reshape(p, [BLOCK_N, BW // 4, 4]), axis=2) * sc
+        if JOIN:
+            p = tl.reshape(o * x[None, :, :, :, :], [BLOCK_N, BW // 4, 32])
+            return tl.sum(p, axis=2) * sc
+        else:
+            p = o[0] * x[0][None, :] + o[1] * x[1][None, :] + o[2] * x[2][None, :] + o[3] * x[3][None, :]
+            p += o[4] * x[4][None, :] + o[5] * x[5][None, :] + o[6] * x[6][None, :] + o[7] * x[7][None, :]
+            return tl.sum(tl.reshape(p, [BLOCK_N, BW // 4, 4]), axis=2) * sc
 
     @triton.jit
     def _gemv_out(acc, accu, ROW_W, row, limit, GATE_UP: tl.constexpr, CLAMP: tl.constexpr):
@@ -198,13 +224,14 @@ if HAVE_TRITON:
     def _fp4_gemv_kernel(A, stride_am, ROWS, W, W3, stride_we, stride_wn, S, S3, stride_se, stride_sn, C, stride_cm,
                          BLOCK_EXPERT, ROW_W, limit, N, K, GATHER: tl.constexpr, GATE_UP: tl.constexpr,
                          CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, ASM: tl.constexpr, JOIN: tl.constexpr, PDL: tl.constexpr):
         """C[r] = A[row r] @ decode(W[e]).T for each valid row r of row block pid 0 (expert e), outputs of
         tile pid 1. W: the packed e2m1 bytes [E, N, K/2] read as int32 words [E, N, K/8]; S: their scale bytes
         [E, N, K/32]. GATE_UP: W3, S3 (w3, the same shape) too, and C[r] = SwiGLU(A W1, A W3) times ROW_W[r]
         (``swiglu.swiglu_f32``, the clamp at ``limit`` with CLAMP), from the float32 sums: both products of a
         row share its input loads, one launch instead of three. EVEN_K: K is a multiple of BLOCK_K, so no
-        load is masked along K (masks that vary along the words keep the loads scalar)."""
+        load is masked along K (masks that vary along the words keep the loads scalar). JOIN: the 8 decoded tiles
+        joined into one (``join8``) against the inputs reshaped alike, instead of the inputs split in 8 runs."""
         enter(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)
@@ -235,17 +262,17 @@ if HAVE_TRITON:
             accu0 = tl.zeros([BLOCK_N, G], dtype=tl.float32)  # GATE_UP: the up products
             accu1 = tl.zeros([BLOCK_N, G], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                o, sc = _weight_tile(W + w_off, S + s_off, k0, K, i, g, n_ok, EVEN_K, ASM)
-                x0 = _row_inputs(a0, k0, K, BW, EVEN_K)
-                acc0 += _word_dot(x0, o, sc, BLOCK_N, BW)
+                o, sc = _weight_tile(W + w_off, S + s_off, k0, K, i, g, n_ok, EVEN_K, ASM, JOIN)
+                x0 = _row_inputs(a0, k0, K, BW, EVEN_K, JOIN)
+                acc0 += _word_dot(x0, o, sc, BLOCK_N, BW, JOIN)
                 if GATE_UP:
-                    o3, sc3 = _weight_tile(W3 + w_off, S3 + s_off, k0, K, i, g, n_ok, EVEN_K, ASM)
-                    accu0 += _word_dot(x0, o3, sc3, BLOCK_N, BW)
+                    o3, sc3 = _weight_tile(W3 + w_off, S3 + s_off, k0, K, i, g, n_ok, EVEN_K, ASM, JOIN)
+                    accu0 += _word_dot(x0, o3, sc3, BLOCK_N, BW, JOIN)
                 if two:
-                    x1 = _row_inputs(a1, k0, K, BW, EVEN_K)
-                    acc1 += _word_dot(x1, o, sc, BLOCK_N, BW)
+                    x1 = _row_inputs(a1, k0, K, BW, EVEN_K, JOIN)
+                    acc1 += _word_dot(x1, o, sc, BLOCK_N, BW, JOIN)
                     if GATE_UP:
-                        accu1 += _word_dot(x1, o3, sc3, BLOCK_N, BW)
+                        accu1 += _word_dot(x1, o3, sc3, BLOCK_N, BW, JOIN)
             y0 = _gemv_out(acc0, accu0, ROW_W, first + r, limit, GATE_UP, CLAMP)
             tl.store(C + (first + r).to(tl.int64) * stride_cm + offs_n, y0.to(C.dtype.element_ty), mask=n_ok)
             if two:
@@ -272,7 +299,7 @@ if HAVE_TRITON:
             scale3 if gate_up else scale, scale.stride(0), scale.stride(1), out, out.stride(0), block_expert,
             row_weight.float().contiguous() if gate_up else out, float(limit), n, 2 * half_k, GATHER=gather,
             GATE_UP=gate_up, CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-            EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), num_warps=c["num_warps"],
+            EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), JOIN=c.get("JOIN", False), num_warps=c["num_warps"],
             num_stages=c["num_stages"], **pdl.args())
         return out
 
