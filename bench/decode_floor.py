@@ -14,8 +14,8 @@ from common import copy_bandwidth, report, sync, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
-from dsv4.kernels import fp4_gemv, fp8_linear, pdl
-from dsv4.model import moe
+from dsv4.kernels import bf16_gemv, fp4_gemv, fp8_linear, pdl
+from dsv4.model import mhc, moe
 
 
 CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
@@ -83,6 +83,12 @@ def main():
     ap.add_argument("--no-shared-overlap", action="store_true",
                     help="the shared expert on the main stream, not captured on a side stream"
                          " (model.moe.SHARED_OVERLAP's A/B)")
+    ap.add_argument("--no-mhc-overlap", action="store_true",
+                    help="the mHC Sinkhorn on the main stream inside the step's graphs (model.mhc.MHC_OVERLAP's A/B)")
+    ap.add_argument("--no-fp4-join", action="store_true",
+                    help="the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)")
+    ap.add_argument("--no-bf16-row-kernel", action="store_true",
+                    help="one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)")
     ap.add_argument("--no-fp8-row-kernel", action="store_true",
                     help="FP8 linears: one-row products on the general GEMV, not the one-row kernel"
                          " (kernels.fp8_linear.ROW_KERNEL's A/B)")
@@ -99,6 +105,13 @@ def main():
         pdl.set_enabled(False)
     if args.no_shared_overlap:
         moe.SHARED_OVERLAP = False
+    if args.no_mhc_overlap:
+        mhc.MHC_OVERLAP = False
+    if args.no_bf16_row_kernel:
+        bf16_gemv.ENABLED = False
+    if args.no_fp4_join:
+        for c in (fp4_gemv.GEMV_CONFIG, fp4_gemv.GEMV_CONFIG_GATE_UP, fp4_gemv.GEMV_CONFIG_GATE_UP_FEW):
+            c["JOIN"] = False
     if args.gemv_max_rows is not None:
         fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
     if args.separate_gate_up:
@@ -154,6 +167,9 @@ def main():
                if args.expert_format == "fp4" else "")
             + (", plain launches (no PDL)" if args.no_pdl else "")
             + (", shared expert on the main stream" if args.no_shared_overlap else "")
+            + (", mHC Sinkhorn on the main stream" if args.no_mhc_overlap else "")
+            + (", one-row bf16 products on cuBLAS" if args.no_bf16_row_kernel else "")
+            + (", FP4 GEMV tiles not joined" if args.no_fp4_join else "")
             + (", FP8 one-row products on the general GEMV" if args.no_fp8_row_kernel and args.linear_format == "fp8"
                else f", FP8 one-row kernel tile {args.fp8_row_tile}" if args.fp8_row_tile else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,

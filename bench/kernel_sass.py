@@ -4,7 +4,7 @@ An issue-bound kernel shows here as many instructions per weight byte; the devic
 
 Needs Triton beside the CPU build of torch (the test venv has none): e.g.
     python3 -m venv /tmp/tv && /tmp/tv/bin/pip install torch==2.13.0 triton==3.6.0
-    /tmp/tv/bin/python bench/kernel_sass.py fp8_row fp8_gemv fp4_gate_up
+    /tmp/tv/bin/python bench/kernel_sass.py fp8_row fp8_gemv fp4_gate_up bf16_row
 Integer arguments that the JIT would see divisible by 16 (pointers, strides, Flash's sizes) are compiled so, as
 the JIT specialises them. Files (.ttgir, .ptx, .sass) go to --out."""
 
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def kernels():
     """name -> (JIT function, argument types, constexprs, arguments divisible by 16, warps)."""
-    from dsv4.kernels import fp4_gemv, fp8_linear, moe
+    from dsv4.kernels import bf16_gemv, fp4_gemv, fp8_linear, moe
     fp8 = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "OUT": "*bf16"}
     fp8_div = ("X", "W", "S", "OUT", "N", "K", "stride_xm", "stride_xg", "stride_s", "k_per_split")
     fp4 = {"A": "*bf16", "ROWS": "*i32", "W": "*i32", "W3": "*i32", "S": "*u8", "S3": "*u8", "C": "*bf16",
@@ -43,8 +43,11 @@ def kernels():
                      dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, SB=128, PDL=True), fp8_div, 4),
         "fp4_gate_up": (fp4_gemv._fp4_gemv_kernel, fp4,
                         dict(GATHER=True, GATE_UP=True, CLAMP=True, BLOCK_M=16, BLOCK_N=gate_up["BLOCK_N"],
-                             BLOCK_K=gate_up["BLOCK_K"], EVEN_K=True, ASM=True, PDL=True), fp4_div,
+                             BLOCK_K=gate_up["BLOCK_K"], EVEN_K=True, ASM=True, JOIN=gate_up.get("JOIN", False),
+                             PDL=True), fp4_div,
                         gate_up["num_warps"]),
+        "bf16_row": (bf16_gemv._row_kernel, {"X": "*bf16", "W": "*i32", "OUT": "*bf16"},
+                     dict(BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, PDL=True), ("X", "W", "OUT", "N", "K"), 4),
         "fp4_tc": (moe._grouped_gemm_kernel, fp4_tc,
                    dict(GATHER=True, BLOCK_M=16, BLOCK_N=tc["BLOCK_N"], BLOCK_K=tc["BLOCK_K"], IEEE=False, FP4=True,
                         ASM=True, EVEN_K=True, PDL=True), fp4_tc_div, tc["num_warps"]),
