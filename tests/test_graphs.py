@@ -219,3 +219,36 @@ def test_state_rows_written_first_are_never_pooled_in_the_same_step(kernel_path_
     ref = [o.outputs[0].token_ids for o in LLM("tiny", attention_backend="torch", **kw).generate(prompts, sp)]
     assert [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)] == ref
     assert sum(checked) > 10  # steps that closed windows
+
+
+def test_captures_run_with_the_collector_paused_and_restore_it():
+    """``graphs._collector_paused``: the cyclic collector is off inside (a collection during a capture could free
+    an earlier engine's graph pools) and back as it was after, an exception included; left off if it was off."""
+    import gc
+
+    from dsv4.engine.graphs import _collector_paused
+
+    assert gc.isenabled()
+    with _collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _collector_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_side_stream_only_inside_a_capture():
+    """``kernels.side_stream``: no side stream off a CUDA capture (a CPU tensor, or the flag off), so eager steps
+    and the CPU keep everything on the current stream; join(None) waits for nothing."""
+    from dsv4.kernels.side_stream import join, side_stream
+
+    x = torch.zeros(2)
+    assert side_stream(x, True) is None and side_stream(x, False) is None
+    join(None, x.device)
