@@ -85,6 +85,9 @@ def main():
                          " (model.moe.SHARED_OVERLAP's A/B)")
     ap.add_argument("--no-mhc-overlap", action="store_true",
                     help="the mHC Sinkhorn on the main stream inside the step's graphs (model.mhc.MHC_OVERLAP's A/B)")
+    ap.add_argument("--pdl-release", action="store_true",
+                    help="every kernel releases its successor after its wait, the one-row GEMVs read their first"
+                         " weight chunk before theirs (kernels.pdl.set_release's experiment)")
     ap.add_argument("--no-fp4-join", action="store_true",
                     help="the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)")
     ap.add_argument("--no-bf16-row-kernel", action="store_true",
@@ -103,6 +106,8 @@ def main():
         fp8_linear.ROW_CONFIG.update(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pf))
     if args.no_pdl:
         pdl.set_enabled(False)
+    if args.pdl_release:
+        pdl.set_release(True)
     if args.no_shared_overlap:
         moe.SHARED_OVERLAP = False
     if args.no_mhc_overlap:
@@ -166,6 +171,7 @@ def main():
                + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
                if args.expert_format == "fp4" else "")
             + (", plain launches (no PDL)" if args.no_pdl else "")
+            + (", PDL early release, GEMV weights read before the wait" if args.pdl_release else "")
             + (", shared expert on the main stream" if args.no_shared_overlap else "")
             + (", mHC Sinkhorn on the main stream" if args.no_mhc_overlap else "")
             + (", one-row bf16 products on cuBLAS" if args.no_bf16_row_kernel else "")

@@ -87,10 +87,10 @@ def test_pdl_launches_give_the_bits_of_plain_launches():
     from dsv4.kernels import pdl
 
     on = _bf16_mtp_outputs()
-    assert pdl.args()["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    assert pdl.args()["PDL"] == (pdl.WAIT if torch.cuda.get_device_capability()[0] >= 9 else 0)
     pdl.set_enabled(False)
     try:
-        assert pdl.args() == {"PDL": False}
+        assert pdl.args() == {"PDL": 0}
         off = _bf16_mtp_outputs()
     finally:
         pdl.set_enabled(True)

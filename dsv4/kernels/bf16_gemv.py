@@ -65,15 +65,20 @@ if HAVE_TRITON:
     @triton.jit
     def _row_kernel(X, W, OUT, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """OUT[n] = sum_k X[k] W[n, k] for BLOCK_N outputs, W read as int32 words [N, K / 2] (value 2i in the low
-        half, 2i + 1 in the high half); the next chunk's words load before this chunk's products."""
-        enter(PDL)
+        half, 2i + 1 in the high half); the next chunk's words load before this chunk's products, the first
+        chunk's before the wait with PDL RELEASE (pdl.set_release: no kernel writes a weight)."""
         BW: tl.constexpr = BLOCK_K // 2
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         i = tl.arange(0, BW)
         w_rows = W + rn.to(tl.int64)[:, None] * (K // 2)
         acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
-        nxt = tl.load(w_rows + i[None, :], mask=n_ok[:, None], other=0)
+        if PDL == 2:  # RELEASE
+            nxt = tl.load(w_rows + i[None, :], mask=n_ok[:, None], other=0)
+            enter(PDL)
+        else:
+            enter(PDL)
+            nxt = tl.load(w_rows + i[None, :], mask=n_ok[:, None], other=0)
         for k0 in range(0, K, BLOCK_K):
             words = nxt
             nxt = tl.load(w_rows + ((k0 + BLOCK_K) // 2 + i)[None, :], mask=n_ok[:, None] & (k0 + BLOCK_K < K),

@@ -269,10 +269,10 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_row_kernel(X, W, S, OUT, N, K, stride_xg, stride_s, k_per_split, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-        enter(PDL)
         # One row: W read as int32 words [G * N, K / 4]; each word's 4 widened codes times the 4 inputs they
         # meet (the inputs split into 4 strided runs, each scaled by its block's scale, exact), accumulated
-        # element-wise per word column in float32 and summed over the columns once at the end
+        # element-wise per word column in float32 and summed over the columns once at the end. With PDL
+        # RELEASE (pdl.set_release) the first chunk of weight is loaded before the wait: no kernel writes it
         pid_n, split, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.num_programs(2)
         BW: tl.constexpr = BLOCK_K // 4
@@ -285,7 +285,14 @@ if HAVE_TRITON:
         k_start = split * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         if PREFETCH:  # the next chunk's words are loaded before this chunk's products: two chunks in flight
-            nxt = tl.load(w_rows + (k_start // 4 + i)[None, :], mask=n_ok[:, None], other=0)
+            if PDL == 2:  # RELEASE: before the wait
+                nxt = tl.load(w_rows + (k_start // 4 + i)[None, :], mask=n_ok[:, None], other=0)
+                enter(PDL)
+            else:
+                enter(PDL)
+                nxt = tl.load(w_rows + (k_start // 4 + i)[None, :], mask=n_ok[:, None], other=0)
+        else:
+            enter(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
             if PREFETCH:
                 words = nxt

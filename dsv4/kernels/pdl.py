@@ -21,7 +21,22 @@ import torch
 from . import HAVE_TRITON, enabled
 
 _enabled = True
+_release = False
 _supported: dict[int, bool] = {}
+
+# The early-release experiment (off by default, not yet measured; decode_floor.py --pdl-release is its A/B): with
+# it every kernel releases its successor right after its own wait (``griddepcontrol.launch_dependents``), and the
+# one-row GEMVs (``fp8_linear._fp8_row_kernel``, ``bf16_gemv._row_kernel``) load their first chunk of weight
+# before waiting: no kernel of a step writes a weight, so those loads may run while the predecessor still does,
+# and a GEMV's first DRAM round trip hides behind it. Released alone (no kernel loading early) it measured no
+# better than waiting (pdl_gpu.py, above).
+
+
+def set_release(flag: bool) -> None:
+    """Release each kernel's successor right after its wait, and let the one-row GEMVs load weights before
+    theirs (the early-release experiment above), or not (default)."""
+    global _release
+    _release = bool(flag)
 
 
 def set_enabled(flag: bool) -> None:
@@ -43,12 +58,17 @@ def _device_supports() -> bool:
 
 
 def args() -> dict:
-    """A kernel launch's PDL keywords on the current device: the kernel's ``PDL`` constexpr (its ``enter``
-    waits) and, only with it, Triton's ``launch_pdl``."""
-    return _ON if _enabled and _device_supports() else _OFF
+    """A kernel launch's PDL keywords on the current device: the kernel's ``PDL`` constexpr (``enter`` waits;
+    RELEASE: it also releases the successor, and weights may be read before the wait) and, only with it,
+    Triton's ``launch_pdl``."""
+    if not (_enabled and _device_supports()):
+        return _OFF
+    return _RELEASE if _release else _ON
 
 
-_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # read-only: ** copies them at each launch
+WAIT, RELEASE = 1, 2  # the PDL constexpr's values (0: plain launches)
+_ON, _RELEASE, _OFF = ({"PDL": WAIT, "launch_pdl": True}, {"PDL": RELEASE, "launch_pdl": True},
+                       {"PDL": 0})  # read-only: ** copies them at each launch
 
 
 if HAVE_TRITON:
@@ -57,6 +77,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def enter(PDL: tl.constexpr):
-        """A kernel's first statement: with PDL, wait until the predecessor is done and its writes visible."""
+        """A kernel's first statement: with PDL, wait until the predecessor is done and its writes visible (and
+        with RELEASE let the successor's programs start)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
+        if PDL == 2:  # RELEASE
+            tl.extra.cuda.gdc_launch_dependents()
