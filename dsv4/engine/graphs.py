@@ -394,8 +394,10 @@ def _collector_paused():
     """Python's cyclic garbage collector off while graphs are captured (one collection first). A collection during
     a capture can reach an earlier engine's objects, and freeing its graphs' memory pools calls cudaFree, which a
     capture does not allow: the capture is invalidated ("operation failed due to a previous error during
-    capture"). Seen once on an H100 in tests/test_kernel_mini_cuda.py (the whole-step graph of the test after three
-    others), not reproduced in two reruns, so this is the likely cause, not a proven one."""
+    capture"). ``torch.cuda.graph`` itself no longer collects on entry (only under
+    ``torch.compiler.config.force_cudagraph_gc``). Seen once on an H100 in tests/test_kernel_mini_cuda.py (the
+    whole-step graph of the test after three others), not reproduced in two reruns, so this is the likely cause,
+    not a proven one."""
     gc.collect()
     was = gc.isenabled()
     gc.disable()

@@ -6,9 +6,10 @@ predecessor finishes; its programs first wait (``griddepcontrol.wait``: until th
 writes are visible). So a kernel never reads or writes memory before everything before it in the stream is done: the
 same order as plain launches, with the launch latency hidden. (Releasing the next kernel at once after the wait,
 ``griddepcontrol.launch_dependents``, measured no better: it pays only for a kernel that loads weights before its
-wait, which none does yet.) A kernel that does not wait must never be launched with PDL: ``args`` gives both
-keywords together, and ``enter`` is each kernel's first statement. Kernels of other libraries (cuBLAS, torch) in
-between launch as usual; a PDL kernel after one of them waits for it the same way.
+wait, which by default none does; see the early-release experiment below.) A kernel that does not wait must never
+be launched with PDL: ``args`` gives both keywords together, and ``enter`` is each kernel's first statement (the
+experiment's two GEMVs read only their weight before it). Kernels of other libraries (cuBLAS, torch) in between
+launch as usual; a PDL kernel after one of them waits for it the same way.
 
 Measured in bench/pdl_gpu.py (H100, one captured graph): 1.17 -> 0.81 us per link of a chain of one-wave kernels
 (0.90 releasing at once), 11.2 -> 9.9 us per FP8 GEMV (4096 x 4096) plus a norm, same bits. ``set_enabled(False)``
