@@ -28,7 +28,8 @@ def test_bf16_row_kernel_matches_the_product(N, K, bn):
 
 def test_bf16_row_kernel_takes_one_bf16_row_only(monkeypatch):
     """``model.rows.linear`` runs the kernel for one bf16 row (any leading shape), and cuBLAS for two rows, an
-    fp32 weight, K not whole chunks, with ENABLED off, and under fixed_rows."""
+    fp32 weight, K not whole chunks, with ENABLED off, and under fixed_rows; a K that differs from the weight's
+    gets F.linear's error."""
     from dsv4.kernels import bf16_gemv
     from dsv4.model import rows
 
@@ -43,6 +44,8 @@ def test_bf16_row_kernel_takes_one_bf16_row_only(monkeypatch):
     rows.linear(x[..., :1000], w[:, :1000].contiguous())
     with rows.fixed_rows(4):
         rows.linear(x, w)
+    with pytest.raises(RuntimeError):  # K of x and of the weight differ: torch's error, not a read past the row
+        rows.linear(x[..., :512], w)
     monkeypatch.setattr(bf16_gemv, "ENABLED", False)
     rows.linear(x, w)
     assert calls == []

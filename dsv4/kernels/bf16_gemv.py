@@ -35,8 +35,9 @@ def block_n(N: int) -> int:
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row (x [..., K] with one row in all), a contiguous bf16 weight [N, K] of x's dtype, K in whole
-    chunks, on CUDA."""
+    chunks, on CUDA (anything else, a K that does not match among it, goes to ``F.linear`` and its errors)."""
     return (ENABLED and on(x, weight) and x.numel() == x.shape[-1] and weight.dim() == 2
+            and weight.shape[1] == x.shape[-1]
             and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
             and weight.is_contiguous() and x.shape[-1] % BLOCK_K == 0 and weight.data_ptr() % 4 == 0)
 
