@@ -64,6 +64,38 @@ def stored_bytes_per_expert_weight(model) -> float:
     return stored / (3 * ex.w1.shape[0] * model.cfg.moe_inter_dim * model.cfg.hidden_size)
 
 
+def _off(module, name: str):
+    return lambda: setattr(module, name, False)
+
+
+def _split_fp4_tiles():
+    for c in (fp4_gemv.GEMV_CONFIG, fp4_gemv.GEMV_CONFIG_GATE_UP, fp4_gemv.GEMV_CONFIG_GATE_UP_FEW):
+        c["JOIN"] = False
+
+
+# The A/B switches: flag, its help, what it sets before the model is built, and what the table's title says then
+SWITCHES = [
+    ("--separate-gate-up", "packed FP4 experts at decode sizes: w1, w3 and the SwiGLU as three launches (the A/B of"
+     " the fused first half)", _off(fp4_gemv, "GATE_UP_FUSED"), "FP4 w1 / w3 / SwiGLU as three launches"),
+    ("--no-pdl", "launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)",
+     lambda: pdl.set_enabled(False), "plain launches (no PDL)"),
+    ("--pdl-release", "every kernel releases its successor after its wait, the one-row GEMVs read their first"
+     " weight chunk before theirs (kernels.pdl.set_release's experiment)", lambda: pdl.set_release(True),
+     "PDL early release, GEMV weights read before the wait"),
+    ("--no-shared-overlap", "the shared expert on the main stream, not captured on a side stream"
+     " (model.moe.SHARED_OVERLAP's A/B)", _off(moe, "SHARED_OVERLAP"), "shared expert on the main stream"),
+    ("--no-mhc-overlap", "the mHC Sinkhorn on the main stream inside the step's graphs (model.mhc.MHC_OVERLAP's"
+     " A/B)", _off(mhc, "MHC_OVERLAP"), "mHC Sinkhorn on the main stream"),
+    ("--no-fp4-join", "the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)",
+     _split_fp4_tiles, "FP4 GEMV tiles not joined"),
+    ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",
+     _off(bf16_gemv, "ENABLED"), "one-row bf16 products on cuBLAS"),
+    ("--no-fp8-row-kernel", "FP8 linears: one-row products on the general GEMV, not the one-row kernel"
+     " (kernels.fp8_linear.ROW_KERNEL's A/B)", _off(fp8_linear, "ROW_KERNEL"),
+     "FP8 one-row products on the general GEMV"),
+]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="flash-L4-E32")
@@ -75,52 +107,20 @@ def main():
     ap.add_argument("--gemv-max-rows", type=float, default=None,
                     help="packed FP4 experts: the GEMV path up to this many (token, expert) pairs per expert on"
                          f" average (default {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT})")
-    ap.add_argument("--separate-gate-up", action="store_true",
-                    help="packed FP4 experts at decode sizes: w1, w3 and the SwiGLU as three launches (the A/B of"
-                         " the fused first half)")
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)")
-    ap.add_argument("--no-shared-overlap", action="store_true",
-                    help="the shared expert on the main stream, not captured on a side stream"
-                         " (model.moe.SHARED_OVERLAP's A/B)")
-    ap.add_argument("--no-mhc-overlap", action="store_true",
-                    help="the mHC Sinkhorn on the main stream inside the step's graphs (model.mhc.MHC_OVERLAP's A/B)")
-    ap.add_argument("--pdl-release", action="store_true",
-                    help="every kernel releases its successor after its wait, the one-row GEMVs read their first"
-                         " weight chunk before theirs (kernels.pdl.set_release's experiment)")
-    ap.add_argument("--no-fp4-join", action="store_true",
-                    help="the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)")
-    ap.add_argument("--no-bf16-row-kernel", action="store_true",
-                    help="one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)")
-    ap.add_argument("--no-fp8-row-kernel", action="store_true",
-                    help="FP8 linears: one-row products on the general GEMV, not the one-row kernel"
-                         " (kernels.fp8_linear.ROW_KERNEL's A/B)")
+    for flag, help_, _, _ in SWITCHES:
+        ap.add_argument(flag, action="store_true", help=help_)
     ap.add_argument("--fp8-row-tile", default=None, metavar="BLOCK_N/BLOCK_K/PREFETCH",
                     help=f"the one-row FP8 kernel's tile (default {fp8_linear.ROW_CONFIG})")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
-    if args.no_fp8_row_kernel:
-        fp8_linear.ROW_KERNEL = False
+    on = [(apply, phrase) for flag, _, apply, phrase in SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
+    for apply, _ in on:
+        apply()
     if args.fp8_row_tile:
         bn, bk, pf = (int(v) for v in args.fp8_row_tile.split("/"))
         fp8_linear.ROW_CONFIG.update(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pf))
-    if args.no_pdl:
-        pdl.set_enabled(False)
-    if args.pdl_release:
-        pdl.set_release(True)
-    if args.no_shared_overlap:
-        moe.SHARED_OVERLAP = False
-    if args.no_mhc_overlap:
-        mhc.MHC_OVERLAP = False
-    if args.no_bf16_row_kernel:
-        bf16_gemv.ENABLED = False
-    if args.no_fp4_join:
-        for c in (fp4_gemv.GEMV_CONFIG, fp4_gemv.GEMV_CONFIG_GATE_UP, fp4_gemv.GEMV_CONFIG_GATE_UP_FEW):
-            c["JOIN"] = False
     if args.gemv_max_rows is not None:
         fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT = args.gemv_max_rows
-    if args.separate_gate_up:
-        fp4_gemv.GATE_UP_FUSED = False
     cfg = get_preset(args.preset)
     bw = copy_bandwidth()
     llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.batch), max_num_tokens=8192,
@@ -168,16 +168,9 @@ def main():
     what = (f"{args.preset}, bf16, routed experts {args.expert_format} ({expert_elt:.3f} bytes per weight as"
             f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts"
             + (f", FP4 GEMV up to {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT:g} pairs per expert"
-               + (", w1 / w3 / SwiGLU as three launches" if args.separate_gate_up else "")
                if args.expert_format == "fp4" else "")
-            + (", plain launches (no PDL)" if args.no_pdl else "")
-            + (", PDL early release, GEMV weights read before the wait" if args.pdl_release else "")
-            + (", shared expert on the main stream" if args.no_shared_overlap else "")
-            + (", mHC Sinkhorn on the main stream" if args.no_mhc_overlap else "")
-            + (", one-row bf16 products on cuBLAS" if args.no_bf16_row_kernel else "")
-            + (", FP4 GEMV tiles not joined" if args.no_fp4_join else "")
-            + (", FP8 one-row products on the general GEMV" if args.no_fp8_row_kernel and args.linear_format == "fp8"
-               else f", FP8 one-row kernel tile {args.fp8_row_tile}" if args.fp8_row_tile else ""))
+            + "".join(f", {phrase}" for _, phrase in on)
+            + (f", FP8 one-row kernel tile {args.fp8_row_tile}" if args.fp8_row_tile else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"
                  " as the expected number of distinct experts B tokens route to (6 of E each). 'Alone': one"
