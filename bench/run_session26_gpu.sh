@@ -11,7 +11,7 @@ TESTS="tests/test_kernel_bf16_gemv_cuda.py tests/test_kernel_fp8_linear_cuda.py 
 tests/test_engine_cuda.py::test_pdl_launches_give_the_bits_of_plain_launches tests/test_kernel_mini_cuda.py \
 tests/test_kernel_sparse_attention_cuda.py tests/test_kernel_attention_split_cuda.py" \
   PYTEST_ADDOPTS="-v ${PYTEST_ADDOPTS:-}" TEST_TIMEOUT=${TEST_TIMEOUT:-300} TEST_TAIL=14 \
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-80} BENCH_TAIL=4 bash bench/device_call.sh \
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} BENCH_TAIL=4 bash bench/device_call.sh \
   "decode_floor.py $P --batch 1 --steps 10" \
   "decode_floor.py $P --batch 1 --steps 10 --pdl-release" \
   "decode_floor.py $P --batch 8 --steps 10" \
