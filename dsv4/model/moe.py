@@ -9,11 +9,11 @@ from torch import nn
 
 from .. import kernels
 from ..config import ModelConfig
+from ..kernels.side_stream import fork, join, side_stream
 from .expert_weights import StackedExperts
 from .fused import FusedLinears, project
 from .ops import add_to, swiglu_to
 from .rows import Linear, linear
-from ..kernels.side_stream import fork, join, side_stream
 from .rows import active as rows_active
 
 
