@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import copy_bandwidth, graph_us, report, table
+from common import graph_us, kernel_run, rel_err, report, table
 
 from dsv4.kernels import bf16_gemv
 
@@ -21,11 +21,7 @@ SHAPES = [  # name, out, in
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--append", default=None)
-    a = ap.parse_args()
-    bw = copy_bandwidth()
-    g = torch.Generator(device="cuda").manual_seed(0)
+    a, bw, g = kernel_run(argparse.ArgumentParser(description=__doc__))
     rows = []
     for name, N, K in SHAPES:
         copies = max(2, min(8, int(200e6 // (N * K * 2))))
@@ -33,10 +29,7 @@ def main():
         x = torch.randn(1, K, device="cuda", generator=g, dtype=torch.bfloat16)
         ref = x.double() @ ws[0].double().t()
 
-        def err(out):
-            return ((out.double() - ref).norm() / ref.norm()).item()
-
-        e_k, e_c = err(bf16_gemv.launch(x, ws[0])), err(torch.nn.functional.linear(x, ws[0]))
+        e_k, e_c = rel_err(bf16_gemv.launch(x, ws[0]), ref), rel_err(torch.nn.functional.linear(x, ws[0]), ref)
         assert e_k < 1e-2, (name, e_k)
         t_c = graph_us(lambda i: torch.nn.functional.linear(x, ws[i]), copies)
         t_k = {bn: graph_us(lambda i, bn=bn: bf16_gemv.launch(x, ws[i], bn), copies) for bn in (4, 8, 16)}

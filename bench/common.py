@@ -95,6 +95,18 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / t
 
 
+def kernel_run(ap) -> tuple:
+    """A kernel benchmark's start: ``ap``'s arguments with ``--append`` added, the copy bandwidth measured now, and
+    the seeded CUDA generator its random inputs come from."""
+    ap.add_argument("--append", default=None)
+    return ap.parse_args(), copy_bandwidth(), torch.Generator(device="cuda").manual_seed(0)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 def hardware() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"

@@ -14,7 +14,7 @@ import argparse
 import itertools
 
 import torch
-from common import LAUNCHES, copy_bandwidth, graph_us, report, table
+from common import LAUNCHES, graph_us, kernel_run, rel_err, report, table
 
 from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
 from dsv4.kernels import fp8_linear as f8
@@ -50,10 +50,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 32])
     ap.add_argument("--gemv-splits", type=int, nargs="*", default=[],
                     help="also the GEMV's best tile with each of these split-K factors (partials summed after)")
-    ap.add_argument("--append", default=None)
-    a = ap.parse_args()
-    bw = copy_bandwidth()
-    g = torch.Generator(device="cuda").manual_seed(0)
+    a, bw, g = kernel_run(ap)
     rows = []
     for name, G, N, K in SHAPES:
         q8 = fp8_weights(G, N, K, g)
@@ -62,7 +59,7 @@ def main():
             x = torch.randn(M, G, K, device="cuda", generator=g, dtype=torch.bfloat16)
             ref = torch.einsum("mgk,gnk->mgn", x.double(), bf[0].double())
             out = f8._launch(x, *q8[0])
-            err = ((out.double() - ref).norm() / ref.norm()).item()
+            err = rel_err(out, ref)
             assert err < 1e-2, (name, M, err)
 
             def kern(cfg, gemv=False, split=None):
@@ -78,7 +75,7 @@ def main():
             c = SWEEP[best_cfg]
             gemv = "-"
             if f8.gemv_fits(M, G, N):
-                err_g = ((f8._launch(x, *q8[0], gemv=True).double() - ref).norm() / ref.norm()).item()
+                err_g = rel_err(f8._launch(x, *q8[0], gemv=True), ref)
                 assert err_g < 1e-2, (name, M, "gemv", err_g)
                 tg, ig = min((graph_us(kern(cg, True), COPIES), i) for i, cg in enumerate(GEMV_SWEEP))
                 cg = GEMV_SWEEP[ig]

@@ -11,7 +11,7 @@ import argparse
 import itertools
 
 import torch
-from common import copy_bandwidth, graph_us, report, table
+from common import graph_us, kernel_run, rel_err, report, table
 from fp8_linear_gpu import COPIES, SHAPES, fp8_weights
 
 from dsv4.kernels import fp8_linear as f8
@@ -26,11 +26,7 @@ def tile(c: dict, split) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--append", default=None)
-    a = ap.parse_args()
-    bw = copy_bandwidth()
-    g = torch.Generator(device="cuda").manual_seed(0)
+    a, bw, g = kernel_run(argparse.ArgumentParser(description=__doc__))
     rows = []
     for name, G, N, K in SHAPES:
         q8 = fp8_weights(G, N, K, g)
@@ -39,18 +35,15 @@ def main():
         x = torch.randn(1, G, K, device="cuda", generator=g, dtype=torch.bfloat16)
         ref = torch.einsum("mgk,gnk->mgn", x.double(), w64)
 
-        def err(out):
-            return ((out.double() - ref).norm() / ref.norm()).item()
-
         def row(c, split):
             return lambda i: f8._launch(x, *q8[i], config=c, split=split, gemv="row")
 
-        e_row = err(f8._launch(x, *q8[0], gemv="row"))
+        e_row = rel_err(f8._launch(x, *q8[0], gemv="row"), ref)
         assert e_row < 1e-2, (name, e_row)
         t_gemv = graph_us(lambda i: f8._launch(x, *q8[i], gemv=True), COPIES)
         t_row = graph_us(row(None, None), COPIES)
         for c, sp in SWEEP:  # every tile right before any is timed
-            assert err(row(c, sp)(0)) < 1e-2, (name, c, sp)
+            assert rel_err(row(c, sp)(0), ref) < 1e-2, (name, c, sp)
         best = min(((graph_us(row(c, sp), COPIES), c, sp) for c, sp in SWEEP), key=lambda b: b[0])
         if G == 1:
             t_bf = graph_us(lambda i: torch.nn.functional.linear(x[:, 0], bf[i % 2][0]), 2)

@@ -165,19 +165,21 @@ def test_the_switch_turns_every_kernel_off(monkeypatch):
 
 
 # Kernels that read their weight before the wait under PDL RELEASE (``pdl.set_release``): no kernel writes a
-# weight. Every load before their first ``enter(PDL)`` must read through ``w_rows``, assigned from ``W + ...``.
+# weight. Their first memory access is ``enter(PDL)`` or ``load_weight_and_enter`` (which loads before it under
+# RELEASE), the latter only through ``w_rows``, assigned once from ``W + ...``.
 EARLY_WEIGHT_READS = {"_fp8_row_kernel", "_row_kernel"}
 
 
 def _reads_only_weights_before_waiting(fn: ast.FunctionDef) -> bool:
-    enters = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n) == "enter(PDL)"]
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+    weighed = [n for n in calls if ast.unparse(n.func) == "load_weight_and_enter"]
+    enters = [n.lineno for n in calls if ast.unparse(n) == "enter(PDL)"] + [n.lineno for n in weighed]
     if not enters:
         return False
-    early = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.load"
-             and n.lineno < min(enters)]
+    early = [n for n in calls if ast.unparse(n.func) in ("tl.load", "tl.store") and n.lineno < min(enters)]
     rows = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
             and [ast.unparse(t) for t in n.targets] == ["w_rows"]]
-    return (all(ast.unparse(n.args[0]).startswith("w_rows ") for n in early)
+    return (all(ast.unparse(n.args[0]).startswith("w_rows ") for n in early + weighed)
             and all(ast.unparse(v).startswith("W + ") for v in rows) and len(rows) == 1)
 
 

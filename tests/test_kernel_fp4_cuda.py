@@ -37,7 +37,7 @@ def test_fp4_kernels_decode_every_code_and_scale(dtype):
                                        scale=scale.cpu(), block_m=bm)
         valid = (rows >= 0).cpu()
         tc = moe._grouped_gemm(a, rows, codes, block_expert, True, m_pad, scale=scale, block_m=bm)
-        gemv = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm)
+        gemv = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm, {"JOIN": False})
         joined = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm,
                                    {"BLOCK_K": 128, "JOIN": True})
         for name, out in (("tensor-core GEMM", tc), ("GEMV", gemv), ("GEMV, tiles joined", joined)):

@@ -61,7 +61,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .pdl import enter
+    from .pdl import load_weight_and_enter
 
     @triton.jit
     def _row_kernel(X, W, OUT, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -74,12 +74,7 @@ if HAVE_TRITON:
         i = tl.arange(0, BW)
         w_rows = W + rn.to(tl.int64)[:, None] * (K // 2)
         acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
-        if PDL == 2:  # RELEASE
-            nxt = tl.load(w_rows + i[None, :], mask=n_ok[:, None], other=0)
-            enter(PDL)
-        else:
-            enter(PDL)
-            nxt = tl.load(w_rows + i[None, :], mask=n_ok[:, None], other=0)
+        nxt = load_weight_and_enter(w_rows + i[None, :], n_ok[:, None], PDL)
         for k0 in range(0, K, BLOCK_K):
             words = nxt
             nxt = tl.load(w_rows + ((k0 + BLOCK_K) // 2 + i)[None, :], mask=n_ok[:, None] & (k0 + BLOCK_K < K),

@@ -36,7 +36,7 @@ GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "
 # w1 and w3 in one program hold two weights' decoded tiles (at BLOCK_N 32 and BLOCK_K 256, 255 registers a thread
 # compiled for sm_90; at 16, 128). Measured on an H100 with 128 experts: 8/512 best at batch 1 (33.4 us against
 # 38.9 for the three launches), 16/256 from batch 8 on (204 against 219 at 8, 386 against 404 at 16)
-GEMV_CONFIG_GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+GEMV_CONFIG_GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "JOIN": False}
 GEMV_CONFIG_GATE_UP_FEW = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3,
                            "JOIN": True}  # blocks <= experts / 4
 GATE_UP_FUSED = True  # w1, w3 and the SwiGLU as one launch at decode sizes (bench/decode_floor.py's A/B: False)
@@ -299,7 +299,7 @@ if HAVE_TRITON:
             scale3 if gate_up else scale, scale.stride(0), scale.stride(1), out, out.stride(0), block_expert,
             row_weight.float().contiguous() if gate_up else out, float(limit), n, 2 * half_k, GATHER=gather,
             GATE_UP=gate_up, CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-            EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), JOIN=c.get("JOIN", False), num_warps=c["num_warps"],
+            EVEN_K=2 * half_k % c["BLOCK_K"] == 0, ASM=use_asm(a), JOIN=c["JOIN"], num_warps=c["num_warps"],
             num_stages=c["num_stages"], **pdl.args())
         return out
 

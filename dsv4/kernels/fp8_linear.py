@@ -56,10 +56,11 @@ ROW_KERNEL = True
 ROW_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
 
 
-def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor) -> bool:
+def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor, block_k: int | None = None) -> bool:
     """Whether ``_fp8_row_kernel`` can take an [M, G, K] x [G, N, K] product: one row, K in whole chunks of
-    ROW_CONFIG's BLOCK_K, the weight's rows whole 32-bit words."""
-    return M == 1 and gemv_shape(G, N) and K % ROW_CONFIG["BLOCK_K"] == 0 and weight.data_ptr() % 4 == 0
+    ``block_k`` (None: ROW_CONFIG's BLOCK_K), the weight's rows whole 32-bit words."""
+    bk = ROW_CONFIG["BLOCK_K"] if block_k is None else block_k
+    return M == 1 and gemv_shape(G, N) and K % bk == 0 and weight.data_ptr() % 4 == 0
 
 
 def gemv_block_n(outputs: int) -> int:
@@ -198,7 +199,7 @@ def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     M, G, K = x.shape
     N = weight.shape[1]
     BN, BK = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if not (M == 1 and gemv_shape(G, N)) or BLOCK % BN or BK % BLOCK or K % BK or weight.data_ptr() % 4:
+    if not row_kernel_fits(M, G, N, K, weight, BK) or BLOCK % BN or BK % BLOCK:
         raise ValueError(f"the one-row FP8 GEMV takes one row, groups of whole {BLOCK}-row blocks, BLOCK_N dividing"
                          f" {BLOCK} and K in whole BLOCK_K chunks, got {M} x {G} x {N} x {K} with {cfg}")
     out, k_per_split = _partials(x, N, BK, triton.cdiv(N, BN) * G, split)
@@ -213,7 +214,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .pdl import enter
+    from .pdl import enter, load_weight_and_enter
 
     @triton.jit
     def _fp8_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split, m_blocks,
@@ -285,12 +286,7 @@ if HAVE_TRITON:
         k_start = split * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         if PREFETCH:  # the next chunk's words are loaded before this chunk's products: two chunks in flight
-            if PDL == 2:  # RELEASE: before the wait
-                nxt = tl.load(w_rows + (k_start // 4 + i)[None, :], mask=n_ok[:, None], other=0)
-                enter(PDL)
-            else:
-                enter(PDL)
-                nxt = tl.load(w_rows + (k_start // 4 + i)[None, :], mask=n_ok[:, None], other=0)
+            nxt = load_weight_and_enter(w_rows + (k_start // 4 + i)[None, :], n_ok[:, None], PDL)
         else:
             enter(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):

@@ -14,8 +14,6 @@ capture it can run on a side stream beside the sub-block (``model.mhc.MHC_OVERLA
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from . import HAVE_TRITON, on, pdl
@@ -153,7 +151,7 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
                                                          HEAD=head, BLOCK=BLOCK_D, SLICES=slices,
                                                          num_warps=1, **pdl.args())
         if not head:  # the Sinkhorn: a chain of 2 * iters dependent normalisations, on the side stream if given
-            with fork(side, X.device) if side is not None else contextlib.nullcontext():
+            with fork(side, X.device):
                 _sinkhorn[(N,)](comb, eps, iters=iters, n=n, num_warps=1, **pdl.args())  # warp-local reductions
     return u, post, comb
 

@@ -84,3 +84,15 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
         if PDL == 2:  # RELEASE
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def load_weight_and_enter(ptrs, mask, PDL: tl.constexpr):
+        """``enter(PDL)`` and a tile of weight at ``ptrs`` (0 where not ``mask``), a kernel's first memory access:
+        with RELEASE the tile is loaded before the wait, as only a weight (written by no kernel of a step) may."""
+        if PDL == 2:  # RELEASE
+            w = tl.load(ptrs, mask=mask, other=0)
+            enter(PDL)
+        else:
+            enter(PDL)
+            w = tl.load(ptrs, mask=mask, other=0)
+        return w

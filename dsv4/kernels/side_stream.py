@@ -11,6 +11,8 @@ in the main stream's order only)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -25,9 +27,11 @@ def side_stream(x: torch.Tensor, enabled: bool) -> torch.cuda.Stream | None:
     return _streams[x.device]
 
 
-def fork(side: torch.cuda.Stream, device: torch.device):
+def fork(side: torch.cuda.Stream | None, device: torch.device):
     """``with fork(side, device):`` work enqueued inside runs on ``side`` after everything enqueued so far on
-    the current stream."""
+    the current stream (None: on the current stream, as ``join(None)`` waits for nothing)."""
+    if side is None:
+        return contextlib.nullcontext()
     side.wait_stream(torch.cuda.current_stream(device))
     return torch.cuda.stream(side)
 
