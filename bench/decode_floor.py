@@ -79,9 +79,11 @@ SWITCHES = [
      " the fused first half)", _off(fp4_gemv, "GATE_UP_FUSED"), "FP4 w1 / w3 / SwiGLU as three launches"),
     ("--no-pdl", "launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)",
      lambda: pdl.set_enabled(False), "plain launches (no PDL)"),
-    ("--pdl-release", "every kernel releases its successor after its wait, the one-row GEMVs read their first"
-     " weight chunk before theirs (kernels.pdl.set_release's experiment)", lambda: pdl.set_release(True),
-     "PDL early release, GEMV weights read before the wait"),
+    ("--no-pdl-release", "no PDL early release: kernels of one-row passes wait without releasing their successors"
+     " at once, the one-row GEMVs load no weight before their wait (kernels.pdl.set_release(False))",
+     lambda: pdl.set_release(False), "no PDL early release"),
+    ("--pdl-release-always", "PDL early release in passes of every size, not only one-row ones"
+     " (kernels.pdl.set_release(True))", lambda: pdl.set_release(True), "PDL early release in every pass"),
     ("--no-shared-overlap", "the shared expert on the main stream, not captured on a side stream"
      " (model.moe.SHARED_OVERLAP's A/B)", _off(moe, "SHARED_OVERLAP"), "shared expert on the main stream"),
     ("--no-mhc-overlap", "the mHC Sinkhorn on the main stream inside the step's graphs (model.mhc.MHC_OVERLAP's"

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as the twenty-sixth session's first call, on ad90610 (BENCHMARKS.md); --pdl-release has since become the
+# default in one-row passes (decode_floor.py --no-pdl-release / --pdl-release-always are its A/Bs).
 # For the next device call (written in the twenty-fifth session, not yet run): the CUDA tests of what has not run
 # on its committed form (the one-row GEMVs with their wait after the address arithmetic; the early-release test;
 # PDL's test with its new constants; mini's file whole, with graph captures now pausing Python's collector, after

@@ -164,7 +164,7 @@ def test_the_switch_turns_every_kernel_off(monkeypatch):
     assert K.enabled()
 
 
-# Kernels that read their weight before the wait under PDL RELEASE (``pdl.set_release``): no kernel writes a
+# Kernels that read their weight before the wait under PDL RELEASE (``pdl.releasing``): no kernel writes a
 # weight. Their first memory access is ``enter(PDL)`` or ``load_weight_and_enter`` (which loads before it under
 # RELEASE), the latter only through ``w_rows``, assigned once from ``W + ...``.
 EARLY_WEIGHT_READS = {"_fp8_row_kernel", "_row_kernel"}

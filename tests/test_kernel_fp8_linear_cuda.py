@@ -107,25 +107,28 @@ def test_engine_at_flash_widths_takes_the_one_row_kernel_and_equals_its_dequanti
 
 def test_early_release_with_weights_read_before_the_wait_gives_the_same_bits(monkeypatch):
     """bf16, CUDA graphs, one request at a time on flash-L2-E8 with FP8 linears (Flash's widths: the one-row FP8
-    and bf16 GEMVs take every one-row product): with ``pdl.set_release(True)`` (each kernel releases its
-    successor right after its wait, the two GEMVs read their first chunk of weight before theirs) the tokens and
-    logprobs of the same engine without, bit for bit; both GEMVs ran inside the graphs. Fails if an early read
-    touched anything a predecessor writes."""
+    and bf16 GEMVs take every one-row product): with early release (``kernels.pdl``; the default in one-row
+    passes: each kernel releases its successor right after its wait, the two GEMVs read their first chunk of
+    weight before theirs) the tokens and logprobs of the same engine without (``pdl.set_release(False)``), bit for
+    bit; both GEMVs ran releasing inside the graphs. Fails if an early read touched anything a predecessor
+    writes."""
     from dsv4 import LLM, SamplingParams
     from dsv4.kernels import bf16_gemv, fp8_linear, pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper")
     ran, row, b16 = [], fp8_linear._launch_row, bf16_gemv.launch
-    monkeypatch.setattr(fp8_linear, "_launch_row", lambda *a: ran.append("fp8") or row(*a))
-    monkeypatch.setattr(bf16_gemv, "launch", lambda *a, **k: ran.append("bf16") or b16(*a, **k))
+    monkeypatch.setattr(fp8_linear, "_launch_row", lambda *a: ran.append(("fp8", pdl.releasing())) or row(*a))
+    monkeypatch.setattr(bf16_gemv, "launch",
+                        lambda *a, **k: ran.append(("bf16", pdl.releasing())) or b16(*a, **k))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, list(range(2, 90))]
     sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
     outs = []
-    for release in (False, True):
+    for release in (False, None):
         pdl.set_release(release)
         try:
-            assert pdl.args()["PDL"] == (pdl.RELEASE if release else pdl.WAIT)
+            with pdl.pass_rows(1):
+                assert pdl.args()["PDL"] == (pdl.RELEASE if release is None else pdl.WAIT)
             llm = LLM("flash-L2-E8", device="cuda", dtype="bf16", max_batch_size=8, max_num_tokens=128,
                       max_seq_len=512, kv_cache_config={"max_tokens": 8192}, linear_format="fp8")
             outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
@@ -133,6 +136,6 @@ def test_early_release_with_weights_read_before_the_wait_gives_the_same_bits(mon
             assert llm.engine.runner.graphs.num_replays > 0
             del llm
         finally:
-            pdl.set_release(False)
-    assert {"fp8", "bf16"} <= set(ran)
+            pdl.set_release(None)
+    assert {("fp8", True), ("bf16", True), ("fp8", False), ("bf16", False)} <= set(ran)
     assert outs[0] == outs[1]

@@ -67,7 +67,7 @@ if HAVE_TRITON:
     def _row_kernel(X, W, OUT, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """OUT[n] = sum_k X[k] W[n, k] for BLOCK_N outputs, W read as int32 words [N, K / 2] (value 2i in the low
         half, 2i + 1 in the high half); the next chunk's words load before this chunk's products, the first
-        chunk's before the wait with PDL RELEASE (pdl.set_release: no kernel writes a weight)."""
+        chunk's before the wait with PDL RELEASE (early release in one-row passes: no kernel writes a weight)."""
         BW: tl.constexpr = BLOCK_K // 2
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N

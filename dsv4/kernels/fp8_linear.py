@@ -273,7 +273,7 @@ if HAVE_TRITON:
         # One row: W read as int32 words [G * N, K / 4]; each word's 4 widened codes times the 4 inputs they
         # meet (the inputs split into 4 strided runs, each scaled by its block's scale, exact), accumulated
         # element-wise per word column in float32 and summed over the columns once at the end. With PDL
-        # RELEASE (pdl.set_release) the first chunk of weight is loaded before the wait: no kernel writes it
+        # RELEASE (early release, pdl.py) the first chunk of weight is loaded before the wait: no kernel writes it
         pid_n, split, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.num_programs(2)
         BW: tl.constexpr = BLOCK_K // 4

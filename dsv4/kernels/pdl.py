@@ -4,11 +4,11 @@ A decode step is some 900 dependent launches, and without PDL each kernel's prog
 it in the stream has finished and drained. Launched with PDL (``launch_pdl``), a kernel is started while its
 predecessor finishes; its programs first wait (``griddepcontrol.wait``: until the predecessor has completed and its
 writes are visible). So a kernel never reads or writes memory before everything before it in the stream is done: the
-same order as plain launches, with the launch latency hidden. (Releasing the next kernel at once after the wait,
-``griddepcontrol.launch_dependents``, measured no better: it pays only for a kernel that loads weights before its
-wait, which by default none does; see the early-release experiment below.) A kernel that does not wait must never
-be launched with PDL: ``args`` gives both keywords together, and ``enter`` is each kernel's first statement (the
-experiment's two GEMVs read only their weight before it). Kernels of other libraries (cuBLAS, torch) in between
+same order as plain launches, with the launch latency hidden. In passes of one token row (``pass_rows``: batch-1
+decode and draft passes) each kernel also releases its successor at once after its wait, and the one-row GEMVs load
+their first chunk of weight before theirs (early release, below). A kernel that does not wait must never be launched
+with PDL: ``args`` gives both keywords together, and ``enter`` is each kernel's first statement (under early release
+the one-row GEMVs read only their weight before it). Kernels of other libraries (cuBLAS, torch) in between
 launch as usual; a PDL kernel after one of them waits for it the same way.
 
 Measured in bench/pdl_gpu.py (H100, one captured graph): 1.17 -> 0.81 us per link of a chain of one-wave kernels
@@ -17,27 +17,53 @@ Measured in bench/pdl_gpu.py (H100, one captured graph): 1.17 -> 0.81 us per lin
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from . import HAVE_TRITON, enabled
 
 _enabled = True
-_release = False
+_release: bool | None = None  # None: early release in passes of at most RELEASE_MAX_ROWS rows; True/False: always/never
+_pass_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_pdl_pass_rows", default=None)
 _supported: dict[int, bool] = {}
 
-# The early-release experiment (off by default, not yet measured; decode_floor.py --pdl-release is its A/B): with
-# it every kernel releases its successor right after its own wait (``griddepcontrol.launch_dependents``), and the
-# one-row GEMVs (``fp8_linear._fp8_row_kernel``, ``bf16_gemv._row_kernel``) load their first chunk of weight
-# before waiting: no kernel of a step writes a weight, so those loads may run while the predecessor still does,
-# and a GEMV's first DRAM round trip hides behind it. Released alone (no kernel loading early) it measured no
-# better than waiting (pdl_gpu.py, above).
+# Early release: each kernel releases its successor right after its own wait (``griddepcontrol.launch_dependents``),
+# and the one-row GEMVs (``fp8_linear._fp8_row_kernel``, ``bf16_gemv._row_kernel``) load their first chunk of
+# weight before waiting: no kernel of a step writes a weight, so those loads may run while the predecessor still
+# does, and a GEMV's first DRAM round trip hides behind it. Measured on an H100 (flash-L20-E128, FP4 experts, FP8
+# linears; decode_floor.py, BENCHMARKS.md 26th session): batch 1, overlapped step 3.67 against 3.99 ms; batch 8
+# (no one-row GEMV, only the release) 10.79 against 10.48, and released alone it measured no better than waiting
+# in pdl_gpu.py either. So by default only the kernels of passes of at most RELEASE_MAX_ROWS token rows release:
+# the rows the one-row GEMVs take (``fp8_linear.GEMV_MAX_ROWS``), whose early loads are what pays.
+RELEASE_MAX_ROWS = 1
 
 
-def set_release(flag: bool) -> None:
-    """Release each kernel's successor right after its wait, and let the one-row GEMVs load weights before
-    theirs (the early-release experiment above), or not (default)."""
+@contextlib.contextmanager
+def pass_rows(rows: int):
+    """The kernels launched inside belong to a forward pass of ``rows`` token rows (early release by default
+    where rows <= RELEASE_MAX_ROWS). A CUDA graph captured inside keeps the choice."""
+    token = _pass_rows.set(int(rows))
+    try:
+        yield
+    finally:
+        _pass_rows.reset(token)
+
+
+def set_release(flag: bool | None) -> None:
+    """Early release (above) in every pass (True), in none (False), or in passes of at most RELEASE_MAX_ROWS rows
+    (None, the default)."""
     global _release
-    _release = bool(flag)
+    _release = None if flag is None else bool(flag)
+
+
+def releasing() -> bool:
+    """Whether kernels launched now release their successors early (``set_release``, ``pass_rows``)."""
+    if _release is not None:
+        return _release
+    rows = _pass_rows.get()
+    return rows is not None and rows <= RELEASE_MAX_ROWS
 
 
 def set_enabled(flag: bool) -> None:
@@ -64,7 +90,7 @@ def args() -> dict:
     Triton's ``launch_pdl``."""
     if not (_enabled and _device_supports()):
         return _OFF
-    return _RELEASE if _release else _ON
+    return _RELEASE if releasing() else _ON
 
 
 WAIT, RELEASE = 1, 2  # the PDL constexpr's values (0: plain launches)

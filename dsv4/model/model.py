@@ -1,7 +1,8 @@
 """The DeepSeek-V4 causal LM: embedding -> blocks on mHC streams -> hc_head -> norm -> head, plus the MTP module.
 
 ``model(input_ids)`` is the dense reference forward (no cache). The engine drives the same blocks through
-``streams`` / ``logits_from_streams`` / ``mtp_streams`` with its cached backend.
+``streams`` / ``logits_from_streams`` / ``mtp_streams`` with its cached backend. Each names its rows to the kernels'
+launches (``kernels.pdl.pass_rows``: one-row passes release early).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.pdl import pass_rows
 from .attention import AttentionBackend, RMSNorm
 from .block import Block, MTPBlock
 from .dense import DenseBackend
@@ -67,26 +69,30 @@ class DeepseekV4(nn.Module):
     # ---- pieces the engine drives -----------------------------------------------------------------
     def streams(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids: [N] -> the last layer's hc streams [N, n, d] (before hc_head)."""
-        X = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for blk in self.layers:
-            X = blk(X, backend, input_ids)
+        with pass_rows(input_ids.shape[0]):
+            X = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+            for blk in self.layers:
+                X = blk(X, backend, input_ids)
         return X
 
     def logits_from_streams(self, X: torch.Tensor) -> torch.Tensor:
         """[N, n, d] -> logits [N, V] fp32."""
         c = self.cfg
-        u = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps))
-        return self.head(u).float()
+        with pass_rows(X.shape[0]):
+            u = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps))
+            return self.head(u).float()
 
     def mtp_streams(self, X: torch.Tensor, next_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """One MTP pass: streams at t [N, n, d] + token t+1 [N] -> MTP streams [N, n, d]."""
         if not self.has_mtp:
             raise MTPUnavailableError("this checkpoint has no MTP weights (no mtp.* tensors); run without"
                                       " speculative decoding or use a checkpoint that ships the MTP layer")
-        return self.mtp[0](X, self.embed(next_ids), backend, next_ids)
+        with pass_rows(X.shape[0]):
+            return self.mtp[0](X, self.embed(next_ids), backend, next_ids)
 
     def mtp_logits_from_streams(self, X_mtp: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mtp[0].head_input(X_mtp)).float()
+        with pass_rows(X_mtp.shape[0]):
+            return self.head(self.mtp[0].head_input(X_mtp)).float()
 
     # ---- the dense reference path -------------------------------------------------------------------
     def _dense_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
