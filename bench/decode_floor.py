@@ -88,6 +88,8 @@ SWITCHES = [
      " (model.moe.SHARED_OVERLAP's A/B)", _off(moe, "SHARED_OVERLAP"), "shared expert on the main stream"),
     ("--no-mhc-overlap", "the mHC Sinkhorn on the main stream inside the step's graphs (model.mhc.MHC_OVERLAP's"
      " A/B)", _off(mhc, "MHC_OVERLAP"), "mHC Sinkhorn on the main stream"),
+    ("--no-norm-in-collapse", "the sub-blocks' RMSNorms as launches of their own after the mHC collapse"
+     " (model.mhc.NORM_IN_COLLAPSE's A/B)", _off(mhc, "NORM_IN_COLLAPSE"), "RMSNorm after the mHC collapse"),
     ("--no-fp4-join", "the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)",
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",
@@ -96,6 +98,20 @@ SWITCHES = [
      " (kernels.fp8_linear.ROW_KERNEL's A/B)", _off(fp8_linear, "ROW_KERNEL"),
      "FP8 one-row products on the general GEMV"),
 ]
+
+
+def add_switches(ap: argparse.ArgumentParser) -> None:
+    """The SWITCHES as flags of ``ap`` (profile_decode.py takes them too)."""
+    for flag, help_, _, _ in SWITCHES:
+        ap.add_argument(flag, action="store_true", help=help_)
+
+
+def apply_switches(args) -> list[str]:
+    """Apply the switches ``args`` names (before the model is built) -> the title phrases of those on."""
+    on = [(apply, phrase) for flag, _, apply, phrase in SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
+    for apply, _ in on:
+        apply()
+    return [phrase for _, phrase in on]
 
 
 def main():
@@ -109,15 +125,12 @@ def main():
     ap.add_argument("--gemv-max-rows", type=float, default=None,
                     help="packed FP4 experts: the GEMV path up to this many (token, expert) pairs per expert on"
                          f" average (default {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT})")
-    for flag, help_, _, _ in SWITCHES:
-        ap.add_argument(flag, action="store_true", help=help_)
+    add_switches(ap)
     ap.add_argument("--fp8-row-tile", default=None, metavar="BLOCK_N/BLOCK_K/PREFETCH",
                     help=f"the one-row FP8 kernel's tile (default {fp8_linear.ROW_CONFIG})")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
-    on = [(apply, phrase) for flag, _, apply, phrase in SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
-    for apply, _ in on:
-        apply()
+    on = apply_switches(args)
     if args.fp8_row_tile:
         bn, bk, pf = (int(v) for v in args.fp8_row_tile.split("/"))
         fp8_linear.ROW_CONFIG.update(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(pf))
@@ -171,7 +184,7 @@ def main():
             f" stored), linears {args.linear_format}, {args.prompt_len}-token prompts"
             + (f", FP4 GEMV up to {fp4_gemv.GEMV_MAX_ROWS_PER_EXPERT:g} pairs per expert"
                if args.expert_format == "fp4" else "")
-            + "".join(f", {phrase}" for _, phrase in on)
+            + "".join(f", {phrase}" for phrase in on)
             + (f", FP8 one-row kernel tile {args.fp8_row_tile}" if args.fp8_row_tile else ""))
     report(f"Decode step vs memory-bandwidth floor, {what}", text, args.append,
            notes=f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Experts counted"

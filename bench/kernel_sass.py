@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def kernels():
     """name -> (JIT function, argument types, constexprs, arguments divisible by 16, warps)."""
-    from dsv4.kernels import bf16_gemv, fp4_gemv, fp8_linear, moe
+    from dsv4.kernels import bf16_gemv, fp4_gemv, fp8_linear, mhc, moe
     fp8 = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "OUT": "*bf16"}
     fp8_div = ("X", "W", "S", "OUT", "N", "K", "stride_xm", "stride_xg", "stride_s", "k_per_split")
     fp4 = {"A": "*bf16", "ROWS": "*i32", "W": "*i32", "W3": "*i32", "S": "*u8", "S3": "*u8", "C": "*bf16",
@@ -48,6 +48,11 @@ def kernels():
                         gate_up["num_warps"]),
         "bf16_row": (bf16_gemv._row_kernel, {"X": "*bf16", "W": "*i32", "OUT": "*bf16"},
                      dict(BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, PDL=True), ("X", "W", "OUT", "N", "K"), 4),
+        "mhc_collapse": (mhc._collapse, {"P": "*fp32", "X": "*bf16", "SCALE": "*fp32", "BASE": "*fp32", "POST": "*fp32",
+                                         "COMB": "*fp32", "NW": "*bf16", "U": "*bf16", "eps": "fp32",
+                                         "norm_eps": "fp32"},
+                         dict(n=4, KBP=256, RP=32, DP=4096, HEAD=False, NORM=True, PDL=True),
+                         ("P", "KB", "X", "stride_x", "POST", "COMB", "NW", "U", "K", "d"), 8),
         "fp4_tc": (moe._grouped_gemm_kernel, fp4_tc,
                    dict(GATHER=True, BLOCK_M=16, BLOCK_N=tc["BLOCK_N"], BLOCK_K=tc["BLOCK_K"], IEEE=False, FP4=True,
                         ASM=True, EVEN_K=True, PDL=True), fp4_tc_div, tc["num_warps"]),

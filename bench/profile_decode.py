@@ -15,6 +15,7 @@ import sys
 import time
 
 from common import report, sync, table
+from decode_floor import add_switches, apply_switches
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,7 +37,9 @@ def main():
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
     ap.add_argument("--kernels-only", action="store_true", help="only the kernel table (no eager ops, no cProfile)")
     ap.add_argument("--append", default=None)
+    add_switches(ap)  # decode_floor.py's A/B switches
     a = ap.parse_args()
+    switched = "".join(f", {phrase}" for phrase in apply_switches(a))
     cfg = get_preset(a.preset)
     llm = LLM(a.preset, device="cuda", dtype="bf16", max_batch_size=max(a.batch), max_num_tokens=8192,
               max_seq_len=a.prompt_len + 3 * a.steps + 16 + a.mtp, kv_cache_config={"free_gpu_memory_fraction": 0.2},
@@ -75,7 +78,7 @@ def main():
                 f" per step, {wall_ms:.2f} ms wall per step (batch {B}, {'eager' if a.eager else 'CUDA graphs'},"
                 f" MTP {a.mtp or 'off'})")
         formats = f"experts {a.expert_format}, linears {a.linear_format}"
-        report(f"Decode step kernels, {a.preset}, bf16, {formats}, batch {B}, MTP {a.mtp or 'off'}",
+        report(f"Decode step kernels, {a.preset}, bf16, {formats}, batch {B}, MTP {a.mtp or 'off'}{switched}",
                head + "\n\n" + text, a.append)
         if not a.kernels_only:
             report(f"Device ops of one eager decode step by source line, batch {B}", sources, a.append)

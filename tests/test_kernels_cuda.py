@@ -95,7 +95,8 @@ def test_grouped_moe_matches_torch():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, d", [(1, 4096), (37, 64), (5, 1000), (300, 4096), (300, 1000)])
 def test_mhc_kernels_match_twins(dtype, N, d):
-    """dsv4.kernels.mhc (hc_pre, hc_head, hc_post on CUDA) against the torch lines of model.mhc on the CPU."""
+    """dsv4.kernels.mhc (hc_pre, hc_head, hc_post on CUDA, the collapses with and without the norm folded in)
+    against the torch lines of model.mhc on the CPU."""
     from dsv4.model import mhc
 
     g = torch.Generator(device="cuda").manual_seed(N + d)
@@ -124,6 +125,18 @@ def test_mhc_kernels_match_twins(dtype, N, d):
     _poison_allocator(N * n * d * 4, dtype)
     out = mhc.hc_post(y, X, post_ref.cuda(), comb_ref.cuda())
     assert out.dtype == dtype and torch.isfinite(out).all() and rel_err(out.cpu(), out_ref) < tol
+    # with the sub-block's norm folded in: the twin's collapse then RMSNorm, and on the GPU the collapse followed
+    # by the RMSNorm kernel (its own reduction order: within the tolerance)
+    from dsv4.kernels.norm import rms_norm
+
+    w = torch.rand(d, device="cuda", generator=g).to(dtype) + 0.5
+    normed, post_n, comb_n = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6, w)
+    normed_ref = mhc.hc_pre(*cpu(X, fn, base, scale), 20, 1e-6, 1e-6, w.cpu())[0]
+    assert rel_err(normed.cpu(), normed_ref) < tol and torch.equal(post_n, post) and torch.equal(comb_n, comb)
+    assert rel_err(normed, rms_norm(u, w, 1e-6)) < tol
+    head_n = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6, w)
+    assert rel_err(head_n.cpu(), mhc.hc_head(*cpu(X, fh, bh, scale[:1]), 1e-6, 1e-6, w.cpu())) < tol
+    assert rel_err(head_n, rms_norm(head, w, 1e-6)) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -6,7 +6,9 @@ twins are the CPU branches of ``dsv4.model.mhc``.
 The collapse runs in two launches. ``_mix_partials`` splits the n*d inputs of each token into chunks and
 writes, per chunk, its dot products with the mixing rows and its sum of squares; ``_collapse`` adds the
 chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
-the weighted sum over a slice of d. Each token's result depends on its own inputs only (batch-invariant).
+the weighted sum, one program a token over all of d, and then, given the sub-block's norm weight, the RMSNorm that
+the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs only
+(batch-invariant).
 ``_sinkhorn`` then turns the comb logits into the comb in place: 2 x 20 dependent normalisations of a 4 x 4
 matrix, latency that nothing reads until the write-back after the sub-block (``_post``), so under a graph
 capture it can run on a side stream beside the sub-block (``model.mhc.MHC_OVERLAP``).
@@ -23,7 +25,8 @@ BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs 
 MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N is: the reductions' layout
 # follows the tile, so a token's bits would change with it. A token a program (the earlier kernel, products
 # summed on the CUDA cores) was latency-bound at prefill sizes: 1.5 ms a launch for 8k tokens on an H200
-BLOCK_D = 512  # channels per collapse / write-back program
+BLOCK_D = 512  # channels per write-back program
+COLLAPSE_WARPS: int | None = None  # warps of a collapse program (one a token); None: 8 from d = 2048 on, else 4
 
 if HAVE_TRITON:
     import triton
@@ -53,37 +56,42 @@ if HAVE_TRITON:
                  mask=live[:, None] & (r <= R)[None, :])
 
     @triton.jit
-    def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, U, eps, norm_eps, K, d,
-                  n: tl.constexpr, KBP: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
-                  SLICES: tl.constexpr, PDL: tl.constexpr):
-        """Grid (N, cdiv(d, BLOCK * SLICES)): token t's weights from its partials (each program computes
-        them alike), then SLICES slices of BLOCK channels of the weighted sum."""
+    def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, NW, U, eps, norm_eps, K, d,
+                  n: tl.constexpr, KBP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, HEAD: tl.constexpr,
+                  NORM: tl.constexpr, PDL: tl.constexpr):
+        """Grid (N,): token t's weights from its partials (one [KB, R + 1] tile, rows contiguous), then the
+        weighted sum of its streams over all d channels, and with NORM the RMSNorm of it (weight NW)."""
         enter(PDL)
-        t, db = tl.program_id(0), tl.program_id(1)
+        t = tl.program_id(0)
         R: tl.constexpr = n if HEAD else (2 + n) * n
-        i = tl.arange(0, n)
         kb = tl.arange(0, KBP)
-        prow = P + (t * KB + kb) * (R + 1)
-        mkb = kb < KB
-        inv = 1.0 / tl.sqrt_rn(tl.sum(tl.load(prow + R, mask=mkb, other=0.0), axis=0) / K + norm_eps)
-        m_pre = tl.sum(tl.load(prow[:, None] + i[None, :], mask=mkb[:, None], other=0.0), axis=0) * inv
-        pre = tl.sigmoid(tl.load(SCALE) * m_pre + tl.load(BASE + i)) + eps
-        if not HEAD:
-            if db == 0:  # one program per token writes the write-back weights and the comb logits
-                m_post = tl.sum(tl.load(prow[:, None] + n + i[None, :], mask=mkb[:, None], other=0.0), axis=0)
-                post = 2 * tl.sigmoid(tl.load(SCALE + 1) * (m_post * inv) + tl.load(BASE + n + i))
-                jk = i[:, None] * n + i[None, :]  # [j, k]
-                m_c = tl.sum(tl.load(prow[:, None, None] + 2 * n + jk[None, :, :], mask=mkb[:, None, None],
-                                     other=0.0), axis=0) * inv
-                tl.store(POST + t * n + i, post)
-                tl.store(COMB + t * n * n + jk, tl.load(SCALE + 2) * m_c + tl.load(BASE + 2 * n + jk))
-        for j in range(SLICES):
-            c_ = (db * SLICES + j) * BLOCK + tl.arange(0, BLOCK)
-            mc = c_ < d
-            x = tl.load(X + t.to(tl.int64) * stride_x + i[:, None] * d + c_[None, :], mask=mc[None, :],
-                        other=0.0).to(tl.float32)
-            u = tl.sum(pre[:, None] * x, axis=0)
-            tl.store(U + t.to(tl.int64) * d + c_, u.to(U.dtype.element_ty), mask=mc)
+        r = tl.arange(0, RP)
+        part = tl.load(P + (t * KB + kb[:, None]) * (R + 1) + r[None, :],
+                       mask=(kb < KB)[:, None] & (r <= R)[None, :], other=0.0)
+        s = tl.sum(part, axis=0)  # [RP]: the R mixing dot products, then the sum of squares at R
+        inv = 1.0 / tl.sqrt_rn(tl.sum(tl.where(r == R, s, 0.0), axis=0) / K + norm_eps)
+        m = s * inv
+        i = tl.arange(0, n)
+        pre = tl.sum(tl.where(r[None, :] == i[:, None], m[None, :], 0.0), axis=1)  # [n]: m[i]
+        pre = tl.sigmoid(tl.load(SCALE) * pre + tl.load(BASE + i)) + eps
+        if not HEAD:  # the write-back weights and the comb logits (the Sinkhorn follows)
+            post = tl.sum(tl.where(r[None, :] == n + i[:, None], m[None, :], 0.0), axis=1)
+            post = 2 * tl.sigmoid(tl.load(SCALE + 1) * post + tl.load(BASE + n + i))
+            jk = i[:, None] * n + i[None, :]  # [j, k]
+            m_c = tl.sum(tl.where(r[None, None, :] == 2 * n + jk[:, :, None], m[None, None, :], 0.0), axis=2)
+            tl.store(POST + t * n + i, post)
+            tl.store(COMB + t * n * n + jk, tl.load(SCALE + 2) * m_c + tl.load(BASE + 2 * n + jk))
+        c = tl.arange(0, DP)
+        mc = c < d
+        u = tl.zeros([DP], dtype=tl.float32)
+        for j in tl.static_range(n):  # a stream at a time: registers for two rows of d, whatever n
+            x = tl.load(X + t.to(tl.int64) * stride_x + j * d + c, mask=mc, other=0.0).to(tl.float32)
+            u += tl.sum(tl.where(i == j, pre, 0.0), axis=0) * x
+        if NORM:  # u rounded to its dtype first, as the input of a separate RMSNorm
+            u = u.to(U.dtype.element_ty).to(tl.float32)
+            u = u * (1.0 / tl.sqrt_rn(tl.sum(u * u, axis=0) / d + norm_eps))
+            u = tl.load(NW + c, mask=mc, other=0.0).to(tl.float32) * u
+        tl.store(U + t.to(tl.int64) * d + c, u.to(U.dtype.element_ty), mask=mc)
 
     @triton.jit
     def _sinkhorn(COMB, eps, iters: tl.constexpr, n: tl.constexpr, PDL: tl.constexpr):
@@ -117,20 +125,13 @@ if HAVE_TRITON:
         tl.store(OUT + t * n * d + i[:, None] * d + c_[None, :], out.to(OUT.dtype.element_ty), mask=mc[None, :])
 
 
-def collapse_slices(N: int, d: int) -> int:
-    """Channel slices (BLOCK_D) per collapse program: one in decode-sized steps (tokens x d / BLOCK_D programs
-    fill the GPU), all of d in prefill chunks, where every program read its token's partials again (8k tokens:
-    0.42 ms a launch on an H200). The values do not depend on it: each program computes the weights alike."""
-    return 1 if N <= 256 else triton.cdiv(d, BLOCK_D)
-
-
 def usable(X: torch.Tensor) -> bool:
     n = X.shape[1]
     return on(X) and n >= 2 and (n & (n - 1)) == 0
 
 
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                     eps: float, norm_eps: float, head: bool, side=None):
+                     eps: float, norm_eps: float, head: bool, side=None, norm_weight: torch.Tensor | None = None):
     N, n, d = X.shape
     K, R = n * d, fn.shape[0]
     X = X.contiguous()
@@ -141,15 +142,15 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     post = torch.empty(N, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
     if N:
-        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R,
-                                                        RP=max(16, triton.next_power_of_2(R + 1)), BLOCK=BLOCK_K,
+        RP = max(16, triton.next_power_of_2(R + 1))
+        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R, RP=RP, BLOCK=BLOCK_K,
                                                         TOKENS=MIX_TOKENS, num_warps=4, **pdl.args())
-        slices = collapse_slices(N, d)
-        _collapse[(N, triton.cdiv(d, BLOCK_D * slices))](P, KB, X, X.stride(0), scale.float().contiguous(),
-                                                         base.float().contiguous(), post, comb, u, eps, norm_eps,
-                                                         K, d, n=n, KBP=triton.next_power_of_2(KB),
-                                                         HEAD=head, BLOCK=BLOCK_D, SLICES=slices,
-                                                         num_warps=1, **pdl.args())
+        DP = triton.next_power_of_2(d)
+        nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
+        _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,
+                        nw, u, eps, norm_eps, K, d, n=n, KBP=triton.next_power_of_2(KB), RP=RP, DP=DP, HEAD=head,
+                        NORM=norm_weight is not None, num_warps=COLLAPSE_WARPS or (8 if DP >= 2048 else 4),
+                        **pdl.args())
         if not head:  # the Sinkhorn: a chain of 2 * iters dependent normalisations, on the side stream if given
             with fork(side, X.device):
                 _sinkhorn[(N,)](comb, eps, iters=iters, n=n, num_warps=1, **pdl.args())  # warp-local reductions
@@ -157,17 +158,17 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, side=None):
-    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``.
-    ``side``: a stream (``side_stream``) the Sinkhorn forks onto; comb is then ready only after a join
-    with it, and must stay alive until then."""
-    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side)
+           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None):
+    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``
+    (with ``norm_weight``: u RMS-normed, ``norm_eps``). ``side``: a stream (``side_stream``) the Sinkhorn forks
+    onto; comb is then ready only after a join with it, and must stay alive until then."""
+    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side, norm_weight=norm_weight)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-            norm_eps: float) -> torch.Tensor:
-    """X [N, n, d] -> [N, d] in X's dtype, as ``model.mhc.hc_head``."""
-    return _collapse_launch(X, fn, base, scale, 1, eps, norm_eps, head=True)[0]
+            norm_eps: float, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """X [N, n, d] -> [N, d] in X's dtype, as ``model.mhc.hc_head`` (with ``norm_weight`` RMS-normed)."""
+    return _collapse_launch(X, fn, base, scale, 1, eps, norm_eps, head=True, norm_weight=norm_weight)[0]
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

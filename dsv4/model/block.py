@@ -28,16 +28,19 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
 
     def _hc_pre(self, X: torch.Tensor, site: str):
+        """The streams collapsed for the sub-block and normed by its norm (one kernel on the GPU; the mix's RMS
+        and the norm share the config's norm_eps)."""
         c = self.cfg
         return hc_pre(X, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+                      getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
+                      getattr(self, f"{site}_norm").weight)
 
     def forward(self, X: torch.Tensor, backend: AttentionBackend, token_ids: torch.Tensor) -> torch.Tensor:
         """X: [N, n, d] streams; token_ids: [N] (for hash routing) -> [N, n, d]."""
         u, post, comb = self._hc_pre(X, "attn")
-        X = hc_post(self.attn(self.attn_norm(u), backend), X, post, comb)
+        X = hc_post(self.attn(u, backend), X, post, comb)
         u, post, comb = self._hc_pre(X, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(u), token_ids), X, post, comb)
+        return hc_post(self.ffn(u, token_ids), X, post, comb)
 
 
 class MTPBlock(Block):
@@ -67,4 +70,5 @@ class MTPBlock(Block):
     def head_input(self, X: torch.Tensor) -> torch.Tensor:
         """MTP streams -> the normed vector the shared lm head reads: [N, d]."""
         c = self.cfg
-        return self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps))
+        return hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps,
+                       self.norm.weight)  # normed by self.norm

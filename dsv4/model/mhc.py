@@ -11,6 +11,7 @@ import torch
 
 from ..kernels import mhc as kernel
 from ..kernels.side_stream import join, side_stream
+from .ops import rms_norm
 from .rows import linear
 
 # With MHC_OVERLAP the Sinkhorn of each collapse (kernels.mhc._sinkhorn: 2 x 20 dependent normalisations of the
@@ -19,6 +20,10 @@ from .rows import linear
 # (flash-L20-E128, FP4 experts, FP8 linears, batch 1; decode_floor.py --no-mhc-overlap is the A/B): overlapped
 # step 4.05 against 4.18 ms (BENCHMARKS.md, 25th session).
 MHC_OVERLAP = True
+# With NORM_IN_COLLAPSE the sub-block's RMSNorm (and the final one before the head) is computed by the collapse's
+# kernel (kernels.mhc._collapse, NORM), not by a launch of its own after it (decode_floor.py --no-norm-in-collapse
+# is the A/B).
+NORM_IN_COLLAPSE = True
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -29,10 +34,14 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Ten
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-           eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n])."""
+           eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n]); with
+    ``norm_weight`` u is the sub-block's RMSNorm of it (eps ``norm_eps``), on the GPU in the collapse's kernel."""
     if kernel.usable(X):  # three kernels on the GPU; the lines below are their twin
-        return kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps, side_stream(X, MHC_OVERLAP))
+        u, post, comb = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                      side_stream(X, MHC_OVERLAP), norm_weight if NORM_IN_COLLAPSE else None)
+        return u if NORM_IN_COLLAPSE else _normed(u, norm_weight, norm_eps), post, comb
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
     base, scale = base.float(), scale.float()
@@ -44,8 +53,12 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    u = torch.einsum("nj,njd->nd", pre, X.float())
-    return u.to(X.dtype), post, comb
+    u = torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype)
+    return _normed(u, norm_weight, norm_eps), post, comb
+
+
+def _normed(u: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return u if weight is None else rms_norm(u, weight, eps)
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -58,10 +71,12 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-            norm_eps: float) -> torch.Tensor:
-    """Final collapse of the streams before the output norm: [N, n, d] -> [N, d]."""
+            norm_eps: float, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Final collapse of the streams before the output norm: [N, n, d] -> [N, d] (with ``norm_weight``: that
+    RMSNorm of it, on the GPU in the collapse's kernel)."""
     if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
-        return kernel.hc_head(X, fn, base, scale, eps, norm_eps)
+        u = kernel.hc_head(X, fn, base, scale, eps, norm_eps, norm_weight if NORM_IN_COLLAPSE else None)
+        return u if NORM_IN_COLLAPSE else _normed(u, norm_weight, norm_eps)
     m = _mix_logits(X, fn, norm_eps)  # [N, n]
     pre = torch.sigmoid(scale.float()[0] * m + base.float()) + eps
-    return torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype)
+    return _normed(torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype), norm_weight, norm_eps)

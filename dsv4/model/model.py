@@ -79,7 +79,8 @@ class DeepseekV4(nn.Module):
         """[N, n, d] -> logits [N, V] fp32."""
         c = self.cfg
         with pass_rows(X.shape[0]):
-            u = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps))
+            u = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps,
+                        self.norm.weight)  # normed by self.norm
             return self.head(u).float()
 
     def mtp_streams(self, X: torch.Tensor, next_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
