@@ -90,9 +90,6 @@ SWITCHES = [
      " A/B)", _off(mhc, "MHC_OVERLAP"), "mHC Sinkhorn on the main stream"),
     ("--no-norm-in-collapse", "the sub-blocks' RMSNorms as launches of their own after the mHC collapse"
      " (model.mhc.NORM_IN_COLLAPSE's A/B)", _off(mhc, "NORM_IN_COLLAPSE"), "RMSNorm after the mHC collapse"),
-    ("--no-post-in-mix", "the mHC write-back after each sub-block as a launch of its own, not computed by the next"
-     " collapse's partials kernel (model.mhc.POST_IN_MIX's A/B)", _off(mhc, "POST_IN_MIX"),
-     "mHC write-back launched on its own"),
     ("--no-fp4-join", "the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)",
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as the twenty-sixth session's fourth call on 4c481b3 (BENCHMARKS.md); that commit's experiment (POST_IN_MIX,
+# --no-post-in-mix, the posted column of mhc_collapse_gpu.py) measured slower and was reverted in the next one.
 # The twenty-sixth session's fourth device call: the mHC write-back computed by the next collapse's partials kernel
 # (model.mhc.POST_IN_MIX): the twin tests, the engine and mini files, the split attention; then the collapse
 # alone (posted against apart), the step at batch 1 with and without, and the defaults at batch 8 and 32.

@@ -35,15 +35,11 @@ if HAVE_TRITON:
     from .pdl import enter
 
     @triton.jit
-    def _mix_partials(X, stride_x, FN, P, N, K, Y, POST, COMB, XOUT, d, R: tl.constexpr, RP: tl.constexpr,
-                      BLOCK: tl.constexpr, TOKENS: tl.constexpr, POSTED: tl.constexpr, n: tl.constexpr,
-                      EVEN_D: tl.constexpr, PDL: tl.constexpr):
+    def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                      TOKENS: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), K / BLOCK): TOKENS tokens' partials over inputs chunk kb as one dot on the
         tensor cores in 3xTF32 (each operand split into a TF32 head and tail, three products: float32's accuracy;
-        a bfloat16 x is its own head), the sums of squares beside it. POSTED: the inputs are the write-back of
-        the sub-block before (``_post``'s X' = post * Y + comb^T X, X the streams before it), computed here from
-        Y, POST, COMB and X, rounded to X's dtype and stored to XOUT (each program its chunk): the write-back's
-        own launch saved."""
+        a bfloat16 x is its own head), the sums of squares beside it."""
         enter(PDL)
         kb = tl.program_id(1)
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -52,30 +48,11 @@ if HAVE_TRITON:
         live = t < N
         r = tl.arange(0, RP)
         w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        t64 = t.to(tl.int64)[:, None]
-        mx = live[:, None] & mk[None, :]
-        if POSTED:
-            if EVEN_D:  # the chunk lies in one stream s: its weights are one per token
-                s = kb * BLOCK // d
-                c = (k - s * d)[None, :]
-                mt = live[:, None]
-            else:  # input k's stream and channel
-                s = (k // d)[None, :]
-                c = (k % d)[None, :]
-                mt = mx
-            mixed = tl.zeros([TOKENS, BLOCK], dtype=tl.float32)
-            for j in tl.static_range(n):  # sum over j of comb[j, s] X_j
-                cj = tl.load(COMB + t64 * (n * n) + j * n + s, mask=mt, other=0.0)
-                mixed += cj * tl.load(X + t64 * stride_x + j * d + c, mask=mx, other=0.0).to(tl.float32)
-            y = tl.load(Y + t64 * d + c, mask=mx, other=0.0).to(tl.float32)
-            x = (tl.load(POST + t64 * n + s, mask=mt, other=0.0) * y + mixed).to(XOUT.dtype.element_ty)
-            tl.store(XOUT + t64 * K + k[None, :], x, mask=mx)
-            x = x.to(tl.float32)
-        else:
-            x = tl.load(X + t64 * stride_x + k[None, :], mask=mx, other=0.0).to(tl.float32)
+        x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=live[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
         dots = tl.dot(x, tl.trans(w), input_precision="tf32x3")  # [TOKENS, RP]
         out = tl.where(r[None, :] == R, tl.sum(x * x, axis=1)[:, None], dots)  # column R: the sum of squares
-        tl.store(P + (t64 * tl.num_programs(1) + kb) * (R + 1) + r[None, :], out,
+        tl.store(P + (t.to(tl.int64)[:, None] * tl.num_programs(1) + kb) * (R + 1) + r[None, :], out,
                  mask=live[:, None] & (r <= R)[None, :])
 
     @triton.jit
@@ -154,8 +131,7 @@ def usable(X: torch.Tensor) -> bool:
 
 
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                     eps: float, norm_eps: float, head: bool, side=None, norm_weight: torch.Tensor | None = None,
-                     posted: tuple | None = None):
+                     eps: float, norm_eps: float, head: bool, side=None, norm_weight: torch.Tensor | None = None):
     N, n, d = X.shape
     K, R = n * d, fn.shape[0]
     X = X.contiguous()
@@ -165,38 +141,28 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     u = torch.empty(N, d, dtype=X.dtype, device=X.device)
     post = torch.empty(N, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
-    if posted is not None:  # (y, post, comb) of the write-back X' = post * y + comb^T X, computed with the partials
-        y, w_post, w_comb = posted[0].contiguous(), posted[1].float().contiguous(), posted[2].float().contiguous()
-        streams = torch.empty_like(X)
-    else:
-        y, w_post, w_comb, streams = X, X, X, X  # unused pointers
     if N:
         RP = max(16, triton.next_power_of_2(R + 1))
-        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, y, w_post, w_comb, streams, d,
-                                                        R=R, RP=RP, BLOCK=BLOCK_K, TOKENS=MIX_TOKENS,
-                                                        POSTED=posted is not None, n=n, EVEN_D=d % BLOCK_K == 0,
-                                                        num_warps=4, **pdl.args())
+        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R, RP=RP, BLOCK=BLOCK_K,
+                                                        TOKENS=MIX_TOKENS, num_warps=4, **pdl.args())
         DP = triton.next_power_of_2(d)
         nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
-        _collapse[(N,)](P, KB, streams, streams.stride(0), scale.float().contiguous(), base.float().contiguous(),
-                        post, comb, nw, u, eps, norm_eps, K, d, n=n, KBP=triton.next_power_of_2(KB), RP=RP, DP=DP,
-                        HEAD=head, NORM=norm_weight is not None, num_warps=COLLAPSE_WARPS or (8 if DP >= 2048 else 4),
+        _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,
+                        nw, u, eps, norm_eps, K, d, n=n, KBP=triton.next_power_of_2(KB), RP=RP, DP=DP, HEAD=head,
+                        NORM=norm_weight is not None, num_warps=COLLAPSE_WARPS or (8 if DP >= 2048 else 4),
                         **pdl.args())
         if not head:  # the Sinkhorn: a chain of 2 * iters dependent normalisations, on the side stream if given
             with fork(side, X.device):
                 _sinkhorn[(N,)](comb, eps, iters=iters, n=n, num_warps=1, **pdl.args())  # warp-local reductions
-    return u, post, comb, streams
+    return u, post, comb
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None, posted: tuple | None = None):
-    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32, the streams [N, n, d]), as
-    ``model.mhc.hc_pre`` (with ``norm_weight``: u RMS-normed, ``norm_eps``). ``posted``: (y, post, comb) of the
-    sub-block before: the streams are its write-back (``hc_post(y, X, post, comb)``), computed by the partials'
-    kernel; otherwise they are X. ``side``: a stream (``side_stream``) the Sinkhorn forks onto; comb is then
-    ready only after a join with it, and must stay alive until then."""
-    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side, norm_weight=norm_weight,
-                            posted=posted)
+           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None):
+    """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``
+    (with ``norm_weight``: u RMS-normed, ``norm_eps``). ``side``: a stream (``side_stream``) the Sinkhorn forks
+    onto; comb is then ready only after a join with it, and must stay alive until then."""
+    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side, norm_weight=norm_weight)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

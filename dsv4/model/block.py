@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention, AttentionBackend, RMSNorm
-from .mhc import Posted, hc_head, hc_post, hc_pre, streams_of
+from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .rows import Linear
 
@@ -35,13 +35,11 @@ class Block(nn.Module):
                       getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
                       getattr(self, f"{site}_norm").weight)
 
-    def forward(self, X: torch.Tensor | Posted, backend: AttentionBackend, token_ids: torch.Tensor
-                ) -> torch.Tensor | Posted:
-        """X: [N, n, d] streams (or a write-back not computed yet); token_ids: [N] (for hash routing) -> [N, n, d]
-        (on the GPU a Posted write-back: ``mhc.streams_of`` gives the streams)."""
-        u, post, comb, X = self._hc_pre(X, "attn")
+    def forward(self, X: torch.Tensor, backend: AttentionBackend, token_ids: torch.Tensor) -> torch.Tensor:
+        """X: [N, n, d] streams; token_ids: [N] (for hash routing) -> [N, n, d]."""
+        u, post, comb = self._hc_pre(X, "attn")
         X = hc_post(self.attn(u, backend), X, post, comb)
-        u, post, comb, X = self._hc_pre(X, "ffn")
+        u, post, comb = self._hc_pre(X, "ffn")
         return hc_post(self.ffn(u, token_ids), X, post, comb)
 
 
@@ -67,7 +65,7 @@ class MTPBlock(Block):
         """X: [N, n, d] streams at t; next_embed: [N, d] = Emb(token t+1) -> the MTP streams [N, n, d]."""
         e = self.e_proj(self.enorm(next_embed))  # [N, d], broadcast to every stream
         X = self.h_proj(self.hnorm(X)) + e.unsqueeze(1)  # hnorm normalises each stream
-        return streams_of(super().forward(X, backend, next_ids))
+        return super().forward(X, backend, next_ids)
 
     def head_input(self, X: torch.Tensor) -> torch.Tensor:
         """MTP streams -> the normed vector the shared lm head reads: [N, d]."""

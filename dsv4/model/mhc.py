@@ -7,8 +7,6 @@ All mixing maths in fp32. X: [N, n, d].
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..kernels import mhc as kernel
@@ -26,24 +24,6 @@ MHC_OVERLAP = True
 # kernel (kernels.mhc._collapse, NORM), not by a launch of its own after it (decode_floor.py --no-norm-in-collapse
 # is the A/B).
 NORM_IN_COLLAPSE = True
-# With POST_IN_MIX the write-back after a sub-block (hc_post) is not launched on its own on the GPU: it returns the
-# write-back's inputs (Posted), and the next collapse's partials kernel computes and stores the streams as it reads
-# them (kernels.mhc._mix_partials, POSTED); ``streams_of`` computes them where a pass ends (decode_floor.py
-# --no-post-in-mix is the A/B).
-POST_IN_MIX = True
-
-
-class Posted(NamedTuple):
-    """The streams after a sub-block's write-back, not computed yet: X' = post * y + comb^T X (``hc_post``)."""
-    y: torch.Tensor
-    X: torch.Tensor
-    post: torch.Tensor
-    comb: torch.Tensor
-
-
-def streams_of(X: torch.Tensor | Posted) -> torch.Tensor:
-    """The streams themselves (a Posted write-back computed by its own kernel)."""
-    return kernel.hc_post(X.y, X.X, X.post, X.comb) if isinstance(X, Posted) else X
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -53,22 +33,15 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Ten
     return linear(flat, fn.float())
 
 
-def hc_pre(X: torch.Tensor | Posted, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
            eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n], the
-    streams [N, n, d]: X, or computed from a Posted write-back on the way); with ``norm_weight`` u is the
-    sub-block's RMSNorm of it (eps ``norm_eps``), on the GPU in the collapse's kernel."""
-    posted = None
-    if isinstance(X, Posted):
-        posted, X = (X.y, X.post, X.comb), X.X
-        if not kernel.usable(X):
-            posted, X = None, streams_of(Posted(X, *posted))
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n]); with
+    ``norm_weight`` u is the sub-block's RMSNorm of it (eps ``norm_eps``), on the GPU in the collapse's kernel."""
     if kernel.usable(X):  # three kernels on the GPU; the lines below are their twin
-        u, post, comb, X = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                         side_stream(X, MHC_OVERLAP), norm_weight if NORM_IN_COLLAPSE else None,
-                                         posted)
-        return u if NORM_IN_COLLAPSE else _normed(u, norm_weight, norm_eps), post, comb, X
+        u, post, comb = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                      side_stream(X, MHC_OVERLAP), norm_weight if NORM_IN_COLLAPSE else None)
+        return u if NORM_IN_COLLAPSE else _normed(u, norm_weight, norm_eps), post, comb
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
     base, scale = base.float(), scale.float()
@@ -81,19 +54,18 @@ def hc_pre(X: torch.Tensor | Posted, fn: torch.Tensor, base: torch.Tensor, scale
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     u = torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype)
-    return _normed(u, norm_weight, norm_eps), post, comb, X
+    return _normed(u, norm_weight, norm_eps), post, comb
 
 
 def _normed(u: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     return u if weight is None else rms_norm(u, weight, eps)
 
 
-def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | Posted:
-    """X'_k = post_k * y + sum_j comb[j, k] * X_j (the sum runs over the FIRST index of comb). On the GPU with
-    POST_IN_MIX a Posted, for the next ``hc_pre`` (or ``streams_of``)."""
+def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_k = post_k * y + sum_j comb[j, k] * X_j (the sum runs over the FIRST index of comb)."""
     if kernel.usable(X):  # one fused kernel on the GPU (after hc_pre's Sinkhorn); the lines below are its twin
         join(side_stream(X, MHC_OVERLAP), X.device)
-        return Posted(y, X, post, comb) if POST_IN_MIX else kernel.hc_post(y, X, post, comb)
+        return kernel.hc_post(y, X, post, comb)
     out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("njk,njd->nkd", comb, X.float())
     return out.to(X.dtype)
 

@@ -15,7 +15,7 @@ from ..kernels.pdl import pass_rows
 from .attention import AttentionBackend, RMSNorm
 from .block import Block, MTPBlock
 from .dense import DenseBackend
-from .mhc import hc_head, streams_of
+from .mhc import hc_head
 from .rows import Linear
 
 
@@ -73,7 +73,7 @@ class DeepseekV4(nn.Module):
             X = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
             for blk in self.layers:
                 X = blk(X, backend, input_ids)
-            return streams_of(X)
+        return X
 
     def logits_from_streams(self, X: torch.Tensor) -> torch.Tensor:
         """[N, n, d] -> logits [N, V] fp32."""
