@@ -115,6 +115,18 @@ def test_mhc_sinkhorn_on_a_side_stream_gives_the_same_bits(monkeypatch):
     _side_stream_gives_the_same_bits(monkeypatch, mhc, "MHC_OVERLAP")
 
 
+def test_l2_prefetch_on_a_side_stream_gives_the_same_bits(monkeypatch):
+    """The output projection's weight asked into L2 on a second stream during the attention
+    (model.attention.L2_PREFETCH, joined after wo_b): the tokens and logprobs of the same graphs without, bit for
+    bit; the prefetch ran. Fails if a prefetch changed memory or the capture broke on the fork."""
+    from dsv4.model import attention
+
+    ran, real = [], attention.prefetch_l2
+    monkeypatch.setattr(attention, "prefetch_l2", lambda w: ran.append(w.numel()) or real(w))
+    _side_stream_gives_the_same_bits(monkeypatch, attention, "L2_PREFETCH")
+    assert ran
+
+
 def _side_stream_gives_the_same_bits(monkeypatch, module, flag: str):
     """``_bf16_mtp_outputs`` with ``module.flag`` on (the module's side_stream handed out a stream) equals it
     with the flag off (it handed out none), the other side-stream users left as they are."""

@@ -16,6 +16,8 @@ from torch import nn
 
 from ..config import ModelConfig, kind_spec
 from ..kernels import project as project_kernel
+from ..kernels.prefetch import prefetch_l2
+from ..kernels.side_stream import fork, join, side_stream
 from .ops import (Rope, apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, sink_attention,
                   topk_mask)
 from .fused import FusedLinears, project
@@ -188,6 +190,12 @@ class Indexer(nn.Module):
         return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
 
+# With L2_PREFETCH (an experiment, off; decode_floor.py --l2-prefetch is its A/B) a captured step asks for the
+# output projection's first weight (wo_a) in the L2 cache on the side stream once the query is projected, so the
+# DRAM fetches it while the norms, the compressor and the attention run (``kernels.prefetch``); it changes no value.
+L2_PREFETCH = False
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, compress_ratio: int):
         super().__init__()
@@ -249,6 +257,10 @@ class Attention(nn.Module):
         xs = self.project_input(x)
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
+        side = side_stream(x, L2_PREFETCH)
+        if side is not None:  # wo_a's weight into L2 while the attention runs (joined after wo_b)
+            with fork(side, x.device):
+                prefetch_l2(self.wo_a.weight)
         q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
         # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
         kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
@@ -269,5 +281,7 @@ class Attention(nn.Module):
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
         o = grouped_linear(o, wo_a, self.wo_a.weight_scale)  # [N, g, o_lora]
-        return self.wo_b(o.flatten(1))
+        out = self.wo_b(o.flatten(1))
+        join(side, x.device)
+        return out
 
