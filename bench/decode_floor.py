@@ -91,8 +91,10 @@ SWITCHES = [
     ("--no-norm-in-collapse", "the sub-blocks' RMSNorms as launches of their own after the mHC collapse"
      " (model.mhc.NORM_IN_COLLAPSE's A/B)", _off(mhc, "NORM_IN_COLLAPSE"), "RMSNorm after the mHC collapse"),
     ("--l2-prefetch", "each layer's wo_a weight asked into L2 on the side stream while its attention runs"
-     " (model.attention.L2_PREFETCH, an experiment)", lambda: setattr(attention, "L2_PREFETCH", True),
+     " (model.attention.L2_PREFETCH, an experiment)", lambda: setattr(attention, "L2_PREFETCH", ("wo_a",)),
      "wo_a prefetched into L2"),
+    ("--l2-prefetch-wo", "as --l2-prefetch, then wo_b's weight while wo_a runs",
+     lambda: setattr(attention, "L2_PREFETCH", ("wo_a", "wo_b")), "wo_a and wo_b prefetched into L2"),
     ("--no-fp4-join", "the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)",
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",

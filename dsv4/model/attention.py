@@ -190,10 +190,11 @@ class Indexer(nn.Module):
         return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
 
-# With L2_PREFETCH (an experiment, off; decode_floor.py --l2-prefetch is its A/B) a captured step asks for the
-# output projection's first weight (wo_a) in the L2 cache on the side stream once the query is projected, so the
-# DRAM fetches it while the norms, the compressor and the attention run (``kernels.prefetch``); it changes no value.
-L2_PREFETCH = False
+# L2_PREFETCH (an experiment, off; decode_floor.py --l2-prefetch / --l2-prefetch-wo are its A/Bs) names output
+# projections whose weights a captured step asks for in the L2 cache, in that order, on the side stream once the
+# query is projected ("wo_a", "wo_b"): the DRAM fetches wo_a while the norms, the compressor and the attention
+# run, and wo_b while wo_a reads its weight from L2 (``kernels.prefetch``). It changes no value.
+L2_PREFETCH: tuple[str, ...] = ()
 
 
 class Attention(nn.Module):
@@ -257,10 +258,11 @@ class Attention(nn.Module):
         xs = self.project_input(x)
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
-        side = side_stream(x, L2_PREFETCH)
-        if side is not None:  # wo_a's weight into L2 while the attention runs (joined after wo_b)
+        side = side_stream(x, bool(L2_PREFETCH))
+        if side is not None:  # output projection weights into L2 while the attention runs (joined after wo_b)
             with fork(side, x.device):
-                prefetch_l2(self.wo_a.weight)
+                for name in L2_PREFETCH:
+                    prefetch_l2(getattr(self, name).weight)
         q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
         # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
         kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
