@@ -164,13 +164,14 @@ def test_the_switch_turns_every_kernel_off(monkeypatch):
     assert K.enabled()
 
 
-# Kernels that read their weight before the wait under PDL RELEASE (``pdl.releasing``): no kernel writes a
-# weight. Their first memory access is ``enter(PDL)`` or ``load_weight_and_enter`` (which loads before it under
-# RELEASE), the latter only through ``w_rows``, assigned once from ``W + ...``.
-EARLY_WEIGHT_READS = {"_fp8_row_kernel", "_row_kernel"}
+# Kernels that read their weight before the wait under PDL RELEASE (``pdl.releasing``), and the parameter that is
+# their weight: no kernel writes a weight. Their first memory access is ``enter(PDL)`` or ``load_weight_and_enter``
+# (which loads before it under RELEASE), the latter only through ``w_rows``, assigned once from ``<weight> + ...``.
+EARLY_WEIGHT_READS = {"_fp8_row_kernel": "W", "_row_kernel": "W", "_mix_partials": "FN", "_gate_logits": "W"}
 
 
 def _reads_only_weights_before_waiting(fn: ast.FunctionDef) -> bool:
+    weight = EARLY_WEIGHT_READS[fn.name]
     calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
     weighed = [n for n in calls if ast.unparse(n.func) == "load_weight_and_enter"]
     enters = [n.lineno for n in calls if ast.unparse(n) == "enter(PDL)"] + [n.lineno for n in weighed]
@@ -179,8 +180,9 @@ def _reads_only_weights_before_waiting(fn: ast.FunctionDef) -> bool:
     early = [n for n in calls if ast.unparse(n.func) in ("tl.load", "tl.store") and n.lineno < min(enters)]
     rows = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
             and [ast.unparse(t) for t in n.targets] == ["w_rows"]]
-    return (all(ast.unparse(n.args[0]).startswith("w_rows ") for n in early + weighed)
-            and all(ast.unparse(v).startswith("W + ") for v in rows) and len(rows) == 1)
+    through_rows = [ast.unparse(n.args[0]) for n in early + weighed]
+    return (all(a == "w_rows" or a.startswith("w_rows ") for a in through_rows)
+            and all(ast.unparse(v).startswith(f"{weight} + ") for v in rows) and len(rows) == 1)
 
 
 def test_every_kernel_launched_with_pdl_waits_first():

@@ -21,18 +21,23 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .pdl import enter
+    from .pdl import enter, load_weight_and_enter
 
     @triton.jit
     def _gate_logits(X, stride_x, W, L, N, E, d: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
                      TOKENS: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), expert blocks): TOKENS tokens one after another against the same expert rows
         (read again by the same program, not by one program per token), each token's sum in the same order
-        whatever TOKENS is."""
-        enter(PDL)
+        whatever TOKENS is. Rows that fit one step (d <= BD, Flash's) are loaded once for all TOKENS, first, and
+        under PDL RELEASE before the wait (a weight: no kernel of a step writes it)."""
         eb = tl.program_id(1)
         e = eb * BE + tl.arange(0, BE)
         me = e < E
+        if d <= BD:
+            w_rows = W + e[:, None] * d + tl.arange(0, BD)[None, :]
+            w_all = load_weight_and_enter(w_rows, me[:, None] & (tl.arange(0, BD) < d)[None, :], PDL)
+        else:
+            enter(PDL)
         for j in range(TOKENS):
             t = tl.program_id(0) * TOKENS + j
             live = t < N
@@ -41,7 +46,11 @@ if HAVE_TRITON:
                 c = d0 + tl.arange(0, BD)
                 mc = (c < d) & live
                 x = tl.load(X + t.to(tl.int64) * stride_x + c, mask=mc, other=0.0).to(tl.float32)
-                w = tl.load(W + e[:, None] * d + c[None, :], mask=me[:, None] & mc[None, :], other=0.0).to(tl.float32)
+                if d <= BD:
+                    w = w_all.to(tl.float32)
+                else:
+                    w = tl.load(W + e[:, None] * d + c[None, :], mask=me[:, None] & mc[None, :],
+                                other=0.0).to(tl.float32)
                 acc += tl.sum(w * x[None, :], axis=1)
             tl.store(L + t.to(tl.int64) * E + e, acc, mask=me & live)
 

@@ -32,7 +32,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .pdl import enter
+    from .pdl import enter, load_weight_and_enter
 
     @triton.jit
     def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
@@ -40,14 +40,14 @@ if HAVE_TRITON:
         """Grid (cdiv(N, TOKENS), K / BLOCK): TOKENS tokens' partials over inputs chunk kb as one dot on the
         tensor cores in 3xTF32 (each operand split into a TF32 head and tail, three products: float32's accuracy;
         a bfloat16 x is its own head), the sums of squares beside it."""
-        enter(PDL)
         kb = tl.program_id(1)
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         k = kb * BLOCK + tl.arange(0, BLOCK)
         mk = k < K
         live = t < N
         r = tl.arange(0, RP)
-        w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        w_rows = FN + r[:, None] * K + k[None, :]  # the mixing rows: a weight, before the wait under PDL RELEASE
+        w = load_weight_and_enter(w_rows, (r < R)[:, None] & mk[None, :], PDL).to(tl.float32)
         x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=live[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
         dots = tl.dot(x, tl.trans(w), input_precision="tf32x3")  # [TOKENS, RP]
