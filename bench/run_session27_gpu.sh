@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # For the next device call (written in the twenty-sixth session, not yet run): the L2 prefetch's same-bits engine
 # test; the router and mHC twins and the early-release engine test (the router's logits and the mHC partials now
-# load their weights first, before the wait under early release); then the attention CUDA files, not run whole since the side streams went on by default (the split file
-# stopped at 14 of 42, the sparse one at 5 of 15); whether an L2 prefetch of a GEMV's weight during a chain of
-# small kernels pays alone (l2_prefetch_gpu.py) and in the step (--l2-prefetch: wo_a during the attention;
-# --l2-prefetch-wo: then wo_b during wo_a; against the default in the same call); the step's kernel map without
-# early release (with it, a released kernel's time includes its wait for the one before).
+# load their weights first, before the wait under early release); then the attention CUDA files, not run whole
+# since the side streams went on by default (the split file stopped at 14 of 42, the sparse one at 5 of 15);
+# whether an L2 prefetch of a GEMV's weight during a chain of small kernels pays alone (l2_prefetch_gpu.py) and
+# in the step (--l2-prefetch: wo_a during the attention; --l2-prefetch-wo: then wo_b during wo_a; against the
+# default in the same call); the step's kernel map without early release (with it, a released kernel's time
+# includes its wait for the one before).
 set -u
 P="--preset flash-L20-E128 --expert-format fp4 --linear-format fp8"
 TESTS="tests/test_engine_cuda.py::test_l2_prefetch_on_a_side_stream_gives_the_same_bits \
