@@ -60,10 +60,31 @@ if HAVE_TRITON:
                   n: tl.constexpr, KBP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, HEAD: tl.constexpr,
                   NORM: tl.constexpr, PDL: tl.constexpr):
         """Grid (N,): token t's weights from its partials (one [KB, R + 1] tile, rows contiguous), then the
-        weighted sum of its streams over all d channels, and with NORM the RMSNorm of it (weight NW)."""
+        weighted sum of its streams over all d channels, and with NORM the RMSNorm of it (weight NW). Every load
+        that does not wait for a sum is issued first (the streams too, for n = 4), so the program's global reads
+        are one round trip, not one after each reduction."""
         enter(PDL)
         t = tl.program_id(0)
         R: tl.constexpr = n if HEAD else (2 + n) * n
+        i = tl.arange(0, n)
+        jk = i[:, None] * n + i[None, :]  # [j, k]
+        c = tl.arange(0, DP)
+        mc = c < d
+        xrow = X + t.to(tl.int64) * stride_x + c
+        if n == 4:  # the streams, in flight while the partials are summed
+            x0 = tl.load(xrow, mask=mc, other=0.0)
+            x1 = tl.load(xrow + d, mask=mc, other=0.0)
+            x2 = tl.load(xrow + 2 * d, mask=mc, other=0.0)
+            x3 = tl.load(xrow + 3 * d, mask=mc, other=0.0)
+        if NORM:
+            nw = tl.load(NW + c, mask=mc, other=0.0).to(tl.float32)
+        scale_pre = tl.load(SCALE)
+        base_pre = tl.load(BASE + i)
+        if not HEAD:
+            scale_post = tl.load(SCALE + 1)
+            scale_comb = tl.load(SCALE + 2)
+            base_post = tl.load(BASE + n + i)
+            base_comb = tl.load(BASE + 2 * n + jk)
         kb = tl.arange(0, KBP)
         r = tl.arange(0, RP)
         part = tl.load(P + (t * KB + kb[:, None]) * (R + 1) + r[None, :],
@@ -71,26 +92,28 @@ if HAVE_TRITON:
         s = tl.sum(part, axis=0)  # [RP]: the R mixing dot products, then the sum of squares at R
         inv = 1.0 / tl.sqrt_rn(tl.sum(tl.where(r == R, s, 0.0), axis=0) / K + norm_eps)
         m = s * inv
-        i = tl.arange(0, n)
         pre = tl.sum(tl.where(r[None, :] == i[:, None], m[None, :], 0.0), axis=1)  # [n]: m[i]
-        pre = tl.sigmoid(tl.load(SCALE) * pre + tl.load(BASE + i)) + eps
+        pre = tl.sigmoid(scale_pre * pre + base_pre) + eps
         if not HEAD:  # the write-back weights and the comb logits (the Sinkhorn follows)
             post = tl.sum(tl.where(r[None, :] == n + i[:, None], m[None, :], 0.0), axis=1)
-            post = 2 * tl.sigmoid(tl.load(SCALE + 1) * post + tl.load(BASE + n + i))
-            jk = i[:, None] * n + i[None, :]  # [j, k]
+            post = 2 * tl.sigmoid(scale_post * post + base_post)
             m_c = tl.sum(tl.where(r[None, None, :] == 2 * n + jk[:, :, None], m[None, None, :], 0.0), axis=2)
             tl.store(POST + t * n + i, post)
-            tl.store(COMB + t * n * n + jk, tl.load(SCALE + 2) * m_c + tl.load(BASE + 2 * n + jk))
-        c = tl.arange(0, DP)
-        mc = c < d
+            tl.store(COMB + t * n * n + jk, scale_comb * m_c + base_comb)
         u = tl.zeros([DP], dtype=tl.float32)
-        for j in tl.static_range(n):  # a stream at a time: registers for two rows of d, whatever n
-            x = tl.load(X + t.to(tl.int64) * stride_x + j * d + c, mask=mc, other=0.0).to(tl.float32)
-            u += tl.sum(tl.where(i == j, pre, 0.0), axis=0) * x
+        if n == 4:
+            u += tl.sum(tl.where(i == 0, pre, 0.0), axis=0) * x0.to(tl.float32)
+            u += tl.sum(tl.where(i == 1, pre, 0.0), axis=0) * x1.to(tl.float32)
+            u += tl.sum(tl.where(i == 2, pre, 0.0), axis=0) * x2.to(tl.float32)
+            u += tl.sum(tl.where(i == 3, pre, 0.0), axis=0) * x3.to(tl.float32)
+        else:
+            for j in tl.static_range(n):  # a stream at a time: registers for two rows of d, whatever n
+                x = tl.load(xrow + j * d, mask=mc, other=0.0).to(tl.float32)
+                u += tl.sum(tl.where(i == j, pre, 0.0), axis=0) * x
         if NORM:  # u rounded to its dtype first, as the input of a separate RMSNorm
             u = u.to(U.dtype.element_ty).to(tl.float32)
             u = u * (1.0 / tl.sqrt_rn(tl.sum(u * u, axis=0) / d + norm_eps))
-            u = tl.load(NW + c, mask=mc, other=0.0).to(tl.float32) * u
+            u = nw * u
         tl.store(U + t.to(tl.int64) * d + c, u.to(U.dtype.element_ty), mask=mc)
 
     @triton.jit

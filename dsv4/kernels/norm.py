@@ -21,7 +21,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .pdl import enter
-    from .rope import angles
+    from .rope import angle_inputs, cos_sin
 
     @triton.jit
     def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, d, eps, HAS_W: tl.constexpr, DP: tl.constexpr,
@@ -31,9 +31,11 @@ if HAVE_TRITON:
         c = tl.arange(0, DP)
         m = c < d
         x = tl.load(X + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_W:  # loaded with x, not after the sum: one round trip to memory
+            w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
         y = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / d + eps))
         if HAS_W:
-            y = tl.load(W + c, mask=m, other=0.0).to(tl.float32) * y
+            y = w * y
         tl.store(OUT + r * stride_o + c, y.to(OUT.dtype.element_ty), mask=m)
 
 
@@ -49,18 +51,23 @@ if HAVE_TRITON:
         src = X + n * stride_xn + h[:, None] * stride_xh + 2 * i[None, :]
         a = tl.load(src, mask=m, other=0.0).to(tl.float32)
         b = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+        # the weights and the angles' inputs loaded with x, before any sum or broadcast: one round trip
+        in_rope = i >= (D - R) // 2
+        j = tl.where(in_rope, i - (D - R) // 2, 0)
+        pos, freq = angle_inputs(POS, FREQ, n, j, in_rope)
+        if HAS_W:
+            wa = tl.load(W + 2 * i)
+            wb = tl.load(W + 2 * i + 1)
+        cs, sn = cos_sin(pos, freq, in_rope)
+        cs, sn = cs[None, :], sn[None, :]
         rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
         a = a * rstd[:, None]
         b = b * rstd[:, None]
         if HAS_W:
-            a = tl.load(W + 2 * i).to(tl.float32)[None, :] * a
-            b = tl.load(W + 2 * i + 1).to(tl.float32)[None, :] * b
+            a = wa.to(tl.float32)[None, :] * a
+            b = wb.to(tl.float32)[None, :] * b
         a = a.to(X.dtype.element_ty).to(tl.float32)  # the norm's rounding, as in the two-kernel path
         b = b.to(X.dtype.element_ty).to(tl.float32)
-        in_rope = i >= (D - R) // 2
-        j = tl.where(in_rope, i - (D - R) // 2, 0)
-        cs, sn = angles(POS, FREQ, n, j, in_rope)
-        cs, sn = cs[None, :], sn[None, :]
         ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
         rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
         if SCATTER:  # row n goes to OUT[ROWS[n]] (a cache's rows, in its dtype)

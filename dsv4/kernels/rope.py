@@ -18,10 +18,22 @@ if HAVE_TRITON:
     from .pdl import enter
 
     @triton.jit
+    def angle_inputs(POS, FREQ, n, j, in_rope):
+        """position[n] as float32 and table[j] (0 off the rope channels): ``angles``' loads, for a kernel that
+        issues them with its other loads."""
+        return tl.load(POS + n).to(tl.float32), tl.load(FREQ + j, mask=in_rope, other=0.0)
+
+    @triton.jit
+    def cos_sin(pos, freq, in_rope):
+        """cos, sin of pos * freq (1 and 0 off the rope channels)."""
+        a = pos * freq
+        return tl.where(in_rope, tl.cos(a), 1.0), tl.where(in_rope, tl.sin(a), 0.0)
+
+    @triton.jit
     def angles(POS, FREQ, n, j, in_rope):
         """cos, sin of position[n] * table[j] (1 and 0 off the rope channels)."""
-        a = tl.load(POS + n).to(tl.float32) * tl.load(FREQ + j, mask=in_rope, other=0.0)
-        return tl.where(in_rope, tl.cos(a), 1.0), tl.where(in_rope, tl.sin(a), 0.0)
+        pos, freq = angle_inputs(POS, FREQ, n, j, in_rope)
+        return cos_sin(pos, freq, in_rope)
 
     @triton.jit
     def _rope_kernel(X, POS, FREQ, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh,
