@@ -5,10 +5,11 @@ it in the stream has finished and drained. Launched with PDL (``launch_pdl``), a
 predecessor finishes; its programs first wait (``griddepcontrol.wait``: until the predecessor has completed and its
 writes are visible). So a kernel never reads or writes memory before everything before it in the stream is done: the
 same order as plain launches, with the launch latency hidden. In passes of one token row (``pass_rows``: batch-1
-decode and draft passes) each kernel also releases its successor at once after its wait, and the one-row GEMVs load
-their first chunk of weight before theirs (early release, below). A kernel that does not wait must never be launched
-with PDL: ``args`` gives both keywords together, and ``enter`` is each kernel's first statement (under early release
-the one-row GEMVs read only their weight before it). Kernels of other libraries (cuBLAS, torch) in between
+decode and draft passes) each kernel also releases its successor at once after its wait, and the one-row GEMVs, the
+router's logits and the mHC partials load (a first chunk of) their weight before theirs (early release, below). A
+kernel that does not wait must never be launched with PDL: ``args`` gives both keywords together, and ``enter`` is
+each kernel's first statement (under early release those few read only their weight before it,
+``load_weight_and_enter``). Kernels of other libraries (cuBLAS, torch) in between
 launch as usual; a PDL kernel after one of them waits for it the same way.
 
 Measured in bench/pdl_gpu.py (H100, one captured graph): 1.17 -> 0.81 us per link of a chain of one-wave kernels
@@ -31,7 +32,8 @@ _supported: dict[int, bool] = {}
 
 # Early release: each kernel releases its successor right after its own wait (``griddepcontrol.launch_dependents``),
 # and the one-row GEMVs (``fp8_linear._fp8_row_kernel``, ``bf16_gemv._row_kernel``) load their first chunk of
-# weight before waiting: no kernel of a step writes a weight, so those loads may run while the predecessor still
+# weight before waiting (since the 26th session also ``gate._gate_logits`` and ``mhc._mix_partials``, not measured
+# on their own): no kernel of a step writes a weight, so those loads may run while the predecessor still
 # does, and a GEMV's first DRAM round trip hides behind it. Measured on an H100 (flash-L20-E128, FP4 experts, FP8
 # linears; decode_floor.py, BENCHMARKS.md 26th session): batch 1, overlapped step 3.67 against 3.99 ms; batch 8
 # (no one-row GEMV, only the release) 10.79 against 10.48, and released alone it measured no better than waiting
