@@ -34,8 +34,9 @@ if HAVE_TRITON:
         e = eb * BE + tl.arange(0, BE)
         me = e < E
         if d <= BD:
-            w_rows = W + e[:, None] * d + tl.arange(0, BD)[None, :]
-            w_all = load_weight_and_enter(w_rows, me[:, None] & (tl.arange(0, BD) < d)[None, :], PDL)
+            cd = tl.arange(0, BD)
+            w_rows = W + e[:, None] * d + cd[None, :]
+            w_all = load_weight_and_enter(w_rows, me[:, None] & (cd < d)[None, :], PDL)
         else:
             enter(PDL)
         for j in range(TOKENS):

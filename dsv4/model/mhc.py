@@ -39,9 +39,10 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n]); with
     ``norm_weight`` u is the sub-block's RMSNorm of it (eps ``norm_eps``), on the GPU in the collapse's kernel."""
     if kernel.usable(X):  # three kernels on the GPU; the lines below are their twin
+        inside, after = _norm_split(norm_weight)
         u, post, comb = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                      side_stream(X, MHC_OVERLAP), norm_weight if NORM_IN_COLLAPSE else None)
-        return u if NORM_IN_COLLAPSE else _normed(u, norm_weight, norm_eps), post, comb
+                                      side_stream(X, MHC_OVERLAP), inside)
+        return _normed(u, after, norm_eps), post, comb
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
     base, scale = base.float(), scale.float()
@@ -61,6 +62,11 @@ def _normed(u: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
     return u if weight is None else rms_norm(u, weight, eps)
 
 
+def _norm_split(weight: torch.Tensor | None) -> tuple:
+    """(the norm weight the collapse's kernel applies, the one applied after it): NORM_IN_COLLAPSE decides."""
+    return (weight, None) if NORM_IN_COLLAPSE else (None, weight)
+
+
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * y + sum_j comb[j, k] * X_j (the sum runs over the FIRST index of comb)."""
     if kernel.usable(X):  # one fused kernel on the GPU (after hc_pre's Sinkhorn); the lines below are its twin
@@ -75,8 +81,8 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """Final collapse of the streams before the output norm: [N, n, d] -> [N, d] (with ``norm_weight``: that
     RMSNorm of it, on the GPU in the collapse's kernel)."""
     if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
-        u = kernel.hc_head(X, fn, base, scale, eps, norm_eps, norm_weight if NORM_IN_COLLAPSE else None)
-        return u if NORM_IN_COLLAPSE else _normed(u, norm_weight, norm_eps)
+        inside, after = _norm_split(norm_weight)
+        return _normed(kernel.hc_head(X, fn, base, scale, eps, norm_eps, inside), after, norm_eps)
     m = _mix_logits(X, fn, norm_eps)  # [N, n]
     pre = torch.sigmoid(scale.float()[0] * m + base.float()) + eps
     return _normed(torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype), norm_weight, norm_eps)
