@@ -74,6 +74,11 @@ def _split_fp4_tiles():
 
 
 # The A/B switches: flag, its help, what it sets before the model is built, and what the table's title says then
+def _one_row_kernels():
+    fp8_linear.ROW_MAX_ROWS = 1
+    bf16_gemv.MAX_ROWS = 1
+
+
 SWITCHES = [
     ("--separate-gate-up", "packed FP4 experts at decode sizes: w1, w3 and the SwiGLU as three launches (the A/B of"
      " the fused first half)", _off(fp4_gemv, "GATE_UP_FUSED"), "FP4 w1 / w3 / SwiGLU as three launches"),
@@ -99,6 +104,9 @@ SWITCHES = [
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",
      _off(bf16_gemv, "ENABLED"), "one-row bf16 products on cuBLAS"),
+    ("--one-row-kernels", "the FP8 and bf16 row kernels take one row only, as before the twenty-seventh session:"
+     " products of 2 to 4 rows on the FP8 tensor-core kernel and cuBLAS (fp8_linear.ROW_MAX_ROWS and"
+     " bf16_gemv.MAX_ROWS at 1)", _one_row_kernels, "row kernels for one row only"),
     ("--no-fp8-row-kernel", "FP8 linears: one-row products on the general GEMV, not the one-row kernel"
      " (kernels.fp8_linear.ROW_KERNEL's A/B)", _off(fp8_linear, "ROW_KERNEL"),
      "FP8 one-row products on the general GEMV"),

@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from common import report, table, timed
+from decode_floor import add_switches, apply_switches
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
@@ -64,8 +65,12 @@ def main():
                     help="also every MTP row with the overlap scheduler off (each step reads its own verdict)")
     ap.add_argument("--separate", action="store_true",
                     help="also each k > 0 with the separate graphs instead of the whole-step graph")
+    ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
+    ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    add_switches(ap)
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    on = apply_switches(args)
     if args.ks[0] != 0:
         ap.error("--ks must start with 0: MTP off is the reference (its tokens and its speed)")
     cfg = get_preset(args.preset)
@@ -75,7 +80,8 @@ def main():
     sp = SamplingParams(max_tokens=args.gen, ignore_eos=True)
     common = dict(device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
                   max_batch_size=most, max_num_tokens=4096, max_seq_len=args.prompt_len + args.gen + 8,
-                  kv_cache_config={"free_gpu_memory_fraction": 0.2}, batch_invariant=args.batch_invariant)
+                  kv_cache_config={"free_gpu_memory_fraction": 0.2}, batch_invariant=args.batch_invariant,
+                  moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format)
     rows = []
     ref: dict = {}  # prompt -> MTP off's tokens (the same at every concurrency only when batch-invariant)
     off_speed: dict[int, float] = {}
@@ -90,12 +96,11 @@ def main():
             modes = [(label, p, ov, whole) for label, p in drafters
                      for ov in ((True, False) if k and args.sync else (True,))
                      for whole in ((True, False) if k and args.separate else (True,))]
-            graphs = llm.engine.runner.graphs
             for label, p, overlap, whole in modes:
                 use_known_answers(llm.engine, ref[c] if p is not None else None, p or 0.0)
                 llm.engine.overlap_scheduler = overlap
-                if graphs is not None:
-                    graphs.whole_step = whole and k > 0
+                if llm.engine.runner.graphs is not None:  # no name outlives ``del llm`` below: it holds the model
+                    llm.engine.runner.graphs.whole_step = whole and k > 0
                 llm.engine.reset_stats()
                 t, out = timed(lambda llm=llm, batch=batch: llm.generate(batch, sp), repeat=args.repeat)
                 toks = [o.outputs[0].token_ids for o in out]
@@ -125,8 +130,9 @@ def main():
                   "mean accepted len",
                   "tokens identical to MTP off", "first divergence",
                   "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))
-    report(f"MTP on vs off, {args.preset}, {args.gen} output tokens"
-           + (", batch-invariant" if args.batch_invariant else ""), text,
+    report(f"MTP on vs off, {args.preset}, {args.gen} output tokens, routed experts {args.expert_format}, linears"
+           f" {args.linear_format}"
+           + (", batch-invariant" if args.batch_invariant else "") + "".join(f", {o}" for o in on), text,
            args.append, notes="Random weights: the real MTP layer is almost never right; the oracle rows show the"
                               " speed-up at a known acceptance (meaningful where MTP on gives MTP off's tokens).")
 

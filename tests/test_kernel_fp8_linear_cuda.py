@@ -29,6 +29,8 @@ pytestmark = pytest.mark.cuda
     (1, 1, 300, 1000, 2),       # one row, a forced split whose second part ends inside a block
     (1, 1, 1536, 4096, 2),      # the one-row kernel with a forced split (wq_a + wkv)
     (1, 1, 4096, 8192, None),   # wo_b at batch 1: the one-row kernel, N a multiple of its tile
+    (2, 1, 32768, 1024, None),  # wq_b at MTP k = 1's verify, concurrency 1: the row kernel, two rows
+    (3, 1, 1536, 4096, 2),      # three rows with a forced split (wq_a + wkv, k = 2)
 ])
 def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     """The weight-only FP8 kernels (tensor cores, and the GEMV where it fits; split-K or not, grouped or not)
@@ -46,7 +48,7 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     wrong = s.clone()
     wrong[-1, -1] *= 4  # the last block: the last group's last outputs, its last inputs
     r = min(N, G * N - (G * N - 1) // 128 * 128)
-    paths = [(False, None)]  # (gemv, config): the tensor cores, the GEMV (forced past its rows), the one-row kernel
+    paths = [(False, None)]  # (gemv, config): the tensor cores, the GEMV (forced past its rows), the row kernel
     if M <= 4 and f8.gemv_shape(G, N):
         paths.append((True, None))
     if f8.row_kernel_fits(M, G, N, K, w):
@@ -62,6 +64,27 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     else:
         assert f8.usable(x, w, M)  # a grouped product's rows are x's rows, not rows x groups
         assert rel_err(f8.grouped_fp8_linear(x, w, s), ref) < tol
+
+
+@pytest.mark.parametrize("G, N, K, split", [(1, 4096, 8192, None), (8, 1024, 4096, None), (1, 1536, 4096, 2)])
+def test_fp8_row_kernel_gives_each_row_the_bits_it_gets_alone(G, N, K, split):
+    """The row kernel on 2, 3 and 4 rows (an MTP verify step of one request): each row's outputs are bit for bit
+    those of the row alone (one accumulator a row, the same operations whatever the rows), so MTP on and off
+    round its products alike; and within the twin's tolerance."""
+    from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
+    from dsv4.kernels import fp8_linear as f8
+
+    g = torch.Generator(device="cuda").manual_seed(N + K + G)
+    q, s = quant_fp8_block(torch.randn(G * N, K, device="cuda", generator=g) * 0.05)
+    s = e8m0_to_float(s)
+    w = q.view(G, N, K)
+    x = torch.randn(f8.ROW_MAX_ROWS, G, K, device="cuda", generator=g).bfloat16()
+    alone = torch.cat([f8._launch(x[r:r + 1], w, s, split=split) for r in range(len(x))])
+    ref = torch.einsum("mgk,gnk->mgn", x.double(), f8.dequantize(w, s, torch.float64))
+    assert rel_err(alone, ref) < 1e-2
+    for M in range(2, f8.ROW_MAX_ROWS + 1):
+        assert f8.row_kernel_fits(M, G, N, K, w)
+        assert torch.equal(f8._launch(x[:M], w, s, split=split), alone[:M]), M
 
 
 def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():

@@ -132,15 +132,19 @@ def test_fp8_products_follow_fixed_rows_and_groups():
     assert not torch.allclose(grouped_fp8_linear_torch(xg, w3, wrong), ref, atol=1e-3)
 
 
-def test_the_one_row_kernel_takes_one_row_products_of_whole_words_and_chunks():
-    """Which products ``_fp8_row_kernel`` takes (its twin tests run on CUDA): one row, K in whole 512-input chunks,
+def test_the_row_kernel_takes_few_row_products_of_whole_words_and_chunks():
+    """Which products ``_fp8_row_kernel`` takes (its twin tests run on CUDA): 1 to ROW_MAX_ROWS (4) rows (a decode
+    step of one request, its MTP verify step at k <= 3), K in whole 512-input chunks,
     groups of whole 128-row blocks, a weight whose rows start on a 32-bit word (a fused weight's slice may not)."""
     from dsv4.kernels.fp8_linear import row_kernel_fits
 
     w = torch.zeros(8 * 1024 + 1, 4096, dtype=torch.float8_e4m3fn)
     assert row_kernel_fits(1, 1, 1536, 4096, w[:1536])  # wq_a + wkv
     assert row_kernel_fits(1, 8, 1024, 4096, w[:8192].view(8, 1024, 4096))  # wo_a, grouped
-    assert not row_kernel_fits(2, 1, 1536, 4096, w[:1536])  # two rows: the general GEMV
+    assert row_kernel_fits(2, 1, 1536, 4096, w[:1536])  # MTP k = 1's verify at concurrency 1
+    assert row_kernel_fits(4, 8, 1024, 4096, w[:8192].view(8, 1024, 4096))
+    assert not row_kernel_fits(5, 1, 1536, 4096, w[:1536])  # five rows: the tensor-core kernel
+    assert not row_kernel_fits(0, 1, 1536, 4096, w[:1536])
     assert not row_kernel_fits(1, 3, 64, 4096, w[:192].view(3, 64, 4096))  # a group inside a block row
     assert not row_kernel_fits(1, 1, 100, 1000, torch.zeros(100, 1000, dtype=torch.float8_e4m3fn))  # K = 1000
     odd = torch.zeros(100 * 4096 + 1, dtype=torch.float8_e4m3fn)[1:].view(100, 4096)  # starts mid-word

@@ -1,5 +1,6 @@
-"""One-row products with bf16 weights (the linears DeepSeek ships in bf16: the compressors', the indexer's
-weights_proj, fused per layer by ``model.fused``, and the head) on the CUDA cores.
+"""Products of one to MAX_ROWS rows with bf16 weights (the linears DeepSeek ships in bf16: the compressors', the
+indexer's weights_proj, fused per layer by ``model.fused``, and the head) on the CUDA cores: a decode step of one
+request has one row, its MTP verify step 1 + k, the MTP catch-up pass as many.
 
 At a decode step of one request cuBLAS runs a compressor product as a split-K GEMM plus a reduction kernel: two
 launches, 8.1 + 1.8 us a layer for 8-22 MB of weight on an H100 (flash-L20-E128). ``_row_kernel`` reads the
@@ -10,7 +11,8 @@ Measured on an H100 (bench/bf16_row_gpu.py, BENCHMARKS.md, 25th session): 9.1 ag
 layer's 2624 x 4096, 6.0 against 7.6 on a ratio-128 layer's 1024 x 4096, 331 against 364 us on the head
 (129280 x 4096); the flash-L20-E128 step at batch 1 4.03 against 4.11 ms with the compressors' products and the
 head on it (decode_floor.py --no-bf16-row-kernel). The twin is ``F.linear`` (same products, other summation
-order).
+order). Each of a launch's rows has its own accumulator and the same operations in the same order whatever the
+number of rows, so a row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ENABLED = True  # False: one-row bf16 products stay on cuBLAS (decode_floor.py -
 BLOCK_K = 512  # inputs per chunk; K must be whole chunks
 ROW_PROGRAMS = 256  # BLOCK_N halves from MAX_BLOCK_N (down to 4) until the outputs make at least this many programs
 MAX_BLOCK_N = 16
+MAX_ROWS = 4  # rows the kernel takes (an MTP verify step of one request has 1 + k); more go to F.linear
 
 
 def block_n(N: int) -> int:
@@ -34,16 +37,17 @@ def block_n(N: int) -> int:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row (x [..., K] with one row in all), a contiguous bf16 weight [N, K] of x's dtype, K in whole
-    chunks, on CUDA (anything else, a K that does not match among it, goes to ``F.linear`` and its errors)."""
-    return (ENABLED and on(x, weight) and x.numel() == x.shape[-1] and weight.dim() == 2
+    """1 to MAX_ROWS rows (x [..., K]), a contiguous bf16 weight [N, K] of x's dtype, K in whole chunks, on CUDA
+    (anything else, a K that does not match among it, goes to ``F.linear`` and its errors)."""
+    return (ENABLED and on(x, weight) and x.dim() > 0 and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+            and weight.dim() == 2
             and weight.shape[1] == x.shape[-1]
             and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
             and weight.is_contiguous() and x.shape[-1] % BLOCK_K == 0 and weight.data_ptr() % 4 == 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` on the one-row kernel where it is ``usable``."""
+    """``F.linear(x, weight)`` on the row kernel where it is ``usable``."""
     return launch(x, weight) if usable(x, weight) else F.linear(x, weight)
 
 
@@ -53,7 +57,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None) -> torc
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     bn = bn or block_n(N)
     _row_kernel[(triton.cdiv(N, bn),)](x.reshape(-1).contiguous(), weight.view(torch.int32), out, N, K,
-                                        BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4, num_stages=1, **pdl.args())
+                                        M=x.numel() // K, BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4, num_stages=1,
+                                        **pdl.args())
     return out
 
 
@@ -64,16 +69,31 @@ if HAVE_TRITON:
     from .pdl import load_weight_and_enter
 
     @triton.jit
-    def _row_kernel(X, W, OUT, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """OUT[n] = sum_k X[k] W[n, k] for BLOCK_N outputs, W read as int32 words [N, K / 2] (value 2i in the low
-        half, 2i + 1 in the high half); the next chunk's words load before this chunk's products, the first
-        chunk's before the wait with PDL RELEASE (early release in one-row passes: no kernel writes a weight)."""
+    def _row_products(acc, x_row, lo, hi, BW: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row's chunk: its inputs (at ``x_row``) split into even and odd runs times the weights they meet,
+        accumulated element-wise into ``acc``."""
+        x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
+        acc += lo * x_even[None, :]
+        acc += hi * x_odd[None, :]
+        return acc
+
+    @triton.jit
+    def _row_kernel(X, W, OUT, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+        """OUT[m, n] = sum_k X[m, k] W[n, k] for BLOCK_N outputs and the M (1 to MAX_ROWS) rows of X [M, K], W read
+        as int32 words [N, K / 2] (value 2i in the low half, 2i + 1 in the high half), each word's values serving
+        every row, one accumulator a row (a row's operations are the same whatever M is); the next chunk's words
+        load before this chunk's products, the first chunk's before the wait with PDL RELEASE (early release in
+        one-row passes: no kernel writes a weight)."""
         BW: tl.constexpr = BLOCK_K // 2
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         i = tl.arange(0, BW)
         w_rows = W + rn.to(tl.int64)[:, None] * (K // 2)
-        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)  # rows 1 to 3: only where M has them
+        acc2 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
         nxt = load_weight_and_enter(w_rows + i[None, :], n_ok[:, None], PDL)
         for k0 in range(0, K, BLOCK_K):
             words = nxt
@@ -81,7 +101,17 @@ if HAVE_TRITON:
                           other=0)
             lo = (words << 16).to(tl.float32, bitcast=True)  # the even input's weight (bf16 bits as float32)
             hi = (words & -65536).to(tl.float32, bitcast=True)
-            x_even, x_odd = tl.split(tl.reshape(tl.load(X + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
-            acc += lo * x_even[None, :]
-            acc += hi * x_odd[None, :]
-        tl.store(OUT + rn, tl.sum(acc, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+            acc0 = _row_products(acc0, X + k0, lo, hi, BW, BLOCK_K)
+            if M > 1:
+                acc1 = _row_products(acc1, X + K + k0, lo, hi, BW, BLOCK_K)
+            if M > 2:
+                acc2 = _row_products(acc2, X + 2 * K + k0, lo, hi, BW, BLOCK_K)
+            if M > 3:
+                acc3 = _row_products(acc3, X + 3 * K + k0, lo, hi, BW, BLOCK_K)
+        tl.store(OUT + rn, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+        if M > 1:
+            tl.store(OUT + N + rn, tl.sum(acc1, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+        if M > 2:
+            tl.store(OUT + 2 * N + rn, tl.sum(acc2, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+        if M > 3:
+            tl.store(OUT + 3 * N + rn, tl.sum(acc3, axis=1).to(OUT.dtype.element_ty), mask=n_ok)

@@ -8,9 +8,10 @@ bytes of a bf16 weight. At decode sizes the output columns alone do not fill the
 (split-K) into partial sums [S, M, N] added in a fixed order afterwards (deterministic, no atomics). Products of
 at most GEMV_MAX_ROWS rows run a GEMV on the CUDA cores instead (``_fp8_gemv_kernel``: no tile of 16 rows to
 pad, the weight widened to float32 and multiplied by the rows' inputs times their block's scale, element-wise
-accumulation, one reduction at the end), with the same split-K. One-row products whose K is in whole chunks take
-``_fp8_row_kernel`` (ROW_KERNEL): the weight read as 32-bit words of 4 codes, each widened by two hardware
-conversions, fewer instructions per weight byte (the GEMV is bound by issuing them, not by memory).
+accumulation, one reduction at the end), with the same split-K. Products of at most ROW_MAX_ROWS rows whose K is
+in whole chunks take ``_fp8_row_kernel`` (ROW_KERNEL): the weight read as 32-bit words of 4 codes, each widened by
+two hardware conversions, fewer instructions per weight byte (the GEMV is bound by issuing them, not by memory),
+and each word's codes serve every row (an MTP verify step of one request has 1 + k rows).
 
 ``fp8_linear_torch`` (dequantise the weight, then one GEMM) is the twin: same products, other summation
 order. Steps of more than ``KERNEL_MAX_ROWS`` rows (prefill chunks) take it on the GPU too: there the GEMM is
@@ -53,14 +54,20 @@ GEMV_MAX_BLOCK_N = 32
 # BLOCK_N 16 (flash-L20-E128, batch 1, H100, one call; --fp8-row-tile). ROW_KERNEL = False: the general GEMV for
 # one row too (decode_floor.py --no-fp8-row-kernel).
 ROW_KERNEL = True
+# Rows the row kernel takes: one accumulator a row, each row's operations the same whatever the number of rows (a
+# row's result does not depend on its neighbours). At 2 rows on the tensor-core kernel instead, an MTP step (k = 1)
+# of flash-L20-E128 spent 1.75 ms in its FP8 products (and 0.55 ms in 107 torch reductions and casts, most likely
+# their split-K partials), against 1.34 ms for the one-row step's products (H100, profile_decode.py --mtp 1,
+# BENCHMARKS.md 27th session)
+ROW_MAX_ROWS = 4
 ROW_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
 
 
 def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor, block_k: int | None = None) -> bool:
-    """Whether ``_fp8_row_kernel`` can take an [M, G, K] x [G, N, K] product: one row, K in whole chunks of
-    ``block_k`` (None: ROW_CONFIG's BLOCK_K), the weight's rows whole 32-bit words."""
+    """Whether ``_fp8_row_kernel`` can take an [M, G, K] x [G, N, K] product: at most ROW_MAX_ROWS rows, K in
+    whole chunks of ``block_k`` (None: ROW_CONFIG's BLOCK_K), the weight's rows whole 32-bit words."""
     bk = ROW_CONFIG["BLOCK_K"] if block_k is None else block_k
-    return M == 1 and gemv_shape(G, N) and K % bk == 0 and weight.data_ptr() % 4 == 0
+    return 1 <= M <= ROW_MAX_ROWS and gemv_shape(G, N) and K % bk == 0 and weight.data_ptr() % 4 == 0
 
 
 def gemv_block_n(outputs: int) -> int:
@@ -137,9 +144,9 @@ def gemv_fits(M: int, G: int, N: int) -> bool:
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: dict | None = None,
             split: int | None = None, gemv: bool | str | None = None) -> torch.Tensor:
     """x [M, G, K] (unit stride along K), weight [G, N, K] e4m3 contiguous, scale over [G * N, K] -> [M, G, N].
-    ``gemv``: None = the engine's choice (the one-row kernel where ``row_kernel_fits`` with ROW_KERNEL, else the
+    ``gemv``: None = the engine's choice (the row kernel where ``row_kernel_fits`` with ROW_KERNEL, else the
     GEMV where ``gemv_fits``, else the tensor-core kernel); False the tensor-core kernel, True the GEMV, "row" the
-    one-row kernel. ``config`` is the chosen kernel's (CONFIG, GEMV_CONFIG or ROW_CONFIG keys)."""
+    row kernel. ``config`` is the chosen kernel's (CONFIG, GEMV_CONFIG or ROW_CONFIG keys)."""
     M, G, K = x.shape
     N = weight.shape[1]
     if gemv is None and ROW_KERNEL and row_kernel_fits(M, G, N, K, weight):
@@ -195,18 +202,19 @@ def _sum_partials(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: dict,
                 split: int | None) -> torch.Tensor:
-    """``_launch`` for one row on ``_fp8_row_kernel`` (``row_kernel_fits``); ``cfg``: ROW_CONFIG's keys."""
+    """``_launch`` for a few rows on ``_fp8_row_kernel`` (``row_kernel_fits``); ``cfg``: ROW_CONFIG's keys."""
     M, G, K = x.shape
     N = weight.shape[1]
     BN, BK = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if not row_kernel_fits(M, G, N, K, weight, BK) or BLOCK % BN or BK % BLOCK:
-        raise ValueError(f"the one-row FP8 GEMV takes one row, groups of whole {BLOCK}-row blocks, BLOCK_N dividing"
+        raise ValueError(f"the FP8 row kernel takes 1 to {ROW_MAX_ROWS} rows, groups of whole {BLOCK}-row blocks, BLOCK_N dividing"
                          f" {BLOCK} and K in whole BLOCK_K chunks, got {M} x {G} x {N} x {K} with {cfg}")
     out, k_per_split = _partials(x, N, BK, triton.cdiv(N, BN) * G, split)
-    _fp8_row_kernel[(triton.cdiv(N, BN), out.shape[0], G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(1),
-                                                   scale.stride(0), k_per_split, BLOCK_N=BN, BLOCK_K=BK, SB=BLOCK,
-                                                   PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"],
-                                                   num_stages=cfg["num_stages"], **pdl.args())
+    _fp8_row_kernel[(triton.cdiv(N, BN), out.shape[0], G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(0),
+                                                   x.stride(1), scale.stride(0), k_per_split, M=M, BLOCK_N=BN,
+                                                   BLOCK_K=BK, SB=BLOCK, PREFETCH=cfg["PREFETCH"],
+                                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                                   **pdl.args())
     return _sum_partials(out, x.dtype)
 
 
@@ -268,12 +276,29 @@ if HAVE_TRITON:
         }""", "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
 
     @triton.jit
-    def _fp8_row_kernel(X, W, S, OUT, N, K, stride_xg, stride_s, k_per_split, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-        # One row: W read as int32 words [G * N, K / 4]; each word's 4 widened codes times the 4 inputs they
-        # meet (the inputs split into 4 strided runs, each scaled by its block's scale, exact), accumulated
-        # element-wise per word column in float32 and summed over the columns once at the end. With PDL
-        # RELEASE (early release, pdl.py) the first chunk of weight is loaded before the wait: no kernel writes it
+    def _row_products(acc, x_row, sc, o0, o1, o2, o3, BW: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row's chunk: its BLOCK_K inputs (at ``x_row``) split into 4 strided runs, each scaled by its block's
+        scale (exact), times the widened codes they meet, accumulated element-wise into ``acc``."""
+        x = tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
+        x_even, x_odd = tl.split(x)  # inputs 4i + t: t % 2, then t // 2
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
+        acc += o0 * (x0 * sc)[None, :]
+        acc += o1 * (x1 * sc)[None, :]
+        acc += o2 * (x2 * sc)[None, :]
+        acc += o3 * (x3 * sc)[None, :]
+        return acc
+
+    @triton.jit
+    def _fp8_row_kernel(X, W, S, OUT, N, K, stride_xm, stride_xg, stride_s, k_per_split, M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr,
+                        PDL: tl.constexpr):
+        # M (1 to ROW_MAX_ROWS) rows: W read as int32 words [G * N, K / 4]; each word's 4 widened codes times the
+        # 4 inputs of each row they meet (``_row_products``), accumulated element-wise per word column in float32,
+        # one accumulator a row, and summed over the columns once at the end. Each row's accumulator sees the
+        # same operations in the same order whatever M is, so a row's result does not depend on the rows beside
+        # it. With PDL RELEASE (early release, pdl.py) the first chunk of weight is loaded before the wait: no
+        # kernel writes it
         pid_n, split, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G = tl.num_programs(2)
         BW: tl.constexpr = BLOCK_K // 4
@@ -282,7 +307,11 @@ if HAVE_TRITON:
         i = tl.arange(0, BW)
         w_rows = W + (g * N + rn).to(tl.int64)[:, None] * (K // 4)
         s_row = S + ((g * N + pid_n * BLOCK_N) // SB) * stride_s  # one block row (gemv_shape)
-        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        x_rows = X + g * stride_xg
+        acc0 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)  # rows 1 to 3: only where M has them
+        acc2 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
         k_start = split * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         if PREFETCH:  # the next chunk's words are loaded before this chunk's products: two chunks in flight
@@ -297,17 +326,22 @@ if HAVE_TRITON:
             else:
                 words = tl.load(w_rows + (k0 // 4 + i)[None, :], mask=n_ok[:, None], other=0)
             sc = tl.load(s_row + (k0 + 4 * i) // SB)
-            x = tl.reshape(tl.load(X + g * stride_xg + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
-            x_even, x_odd = tl.split(x)  # inputs 4i + t: t % 2, then t // 2
-            x0, x2 = tl.split(x_even)
-            x1, x3 = tl.split(x_odd)
             o0, o1, o2, o3 = e4m3_word(words)
-            acc += o0 * (x0 * sc)[None, :]
-            acc += o1 * (x1 * sc)[None, :]
-            acc += o2 * (x2 * sc)[None, :]
-            acc += o3 * (x3 * sc)[None, :]
-        out = tl.sum(acc, axis=1)
-        tl.store(OUT + (split * G + g) * N + rn, out.to(OUT.dtype.element_ty), mask=n_ok)
+            acc0 = _row_products(acc0, x_rows + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
+            if M > 1:
+                acc1 = _row_products(acc1, x_rows + stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
+            if M > 2:
+                acc2 = _row_products(acc2, x_rows + 2 * stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
+            if M > 3:
+                acc3 = _row_products(acc3, x_rows + 3 * stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
+        dst = OUT + (split * M * G + g) * N + rn  # [S, M, G, N]: row r at dst + r * G * N
+        tl.store(dst, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+        if M > 1:
+            tl.store(dst + G * N, tl.sum(acc1, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+        if M > 2:
+            tl.store(dst + 2 * G * N, tl.sum(acc2, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+        if M > 3:
+            tl.store(dst + 3 * G * N, tl.sum(acc3, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, OUT, M, N, K, stride_xm, stride_xg, stride_s, k_per_split,
