@@ -15,7 +15,7 @@ from common import copy_bandwidth, report, sync, table, timed
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
 from dsv4.kernels import bf16_gemv, fp4_gemv, fp8_linear, pdl
-from dsv4.model import attention, mhc, moe
+from dsv4.model import mhc, moe
 
 
 CHECKPOINT_FP8 = 1 + 1 / 128 ** 2  # bytes per weight of DeepSeek's FP8 linears: e4m3, an e8m0 scale per 128x128
@@ -95,11 +95,6 @@ SWITCHES = [
      " A/B)", _off(mhc, "MHC_OVERLAP"), "mHC Sinkhorn on the main stream"),
     ("--no-norm-in-collapse", "the sub-blocks' RMSNorms as launches of their own after the mHC collapse"
      " (model.mhc.NORM_IN_COLLAPSE's A/B)", _off(mhc, "NORM_IN_COLLAPSE"), "RMSNorm after the mHC collapse"),
-    ("--l2-prefetch", "each layer's wo_a weight asked into L2 on the side stream while its attention runs"
-     " (model.attention.L2_PREFETCH, an experiment)", lambda: setattr(attention, "L2_PREFETCH", ("wo_a",)),
-     "wo_a prefetched into L2"),
-    ("--l2-prefetch-wo", "as --l2-prefetch, then wo_b's weight while wo_a runs",
-     lambda: setattr(attention, "L2_PREFETCH", ("wo_a", "wo_b")), "wo_a and wo_b prefetched into L2"),
     ("--no-fp4-join", "the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)",
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",

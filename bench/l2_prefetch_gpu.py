@@ -1,16 +1,14 @@
-"""Can the DRAM's idle time in a decode step feed the next weight GEMV? A question for the GPU before the engine
-relies on it (``model.attention.L2_PREFETCH`` is off).
+"""Can the DRAM's idle time in a decode step feed the next weight GEMV? A question for the GPU, not yet a feature.
 
 At batch 1 a Flash layer's step is weight GEMVs separated by chains of small latency-bound kernels (norms, RoPE,
 attention, mHC, router: about 20 us a layer, BENCHMARKS.md), during which the DRAM idles; the H100's L2 holds 50
 MB, more than any one FP8 projection. Here a stand-in chain (CHAIN RMSNorm launches on one 4096-wide row) runs
 before a one-row FP8 GEMV (``fp8_linear``'s row kernel) on one of Flash's projections, and a prefetch of that
-GEMV's weight into L2 is forked onto the side stream when the chain starts: ``kernels.prefetch.prefetch_l2``
-(``cp.async.bulk.prefetch.L2``: the copy engine fetches CHUNK bytes a request into L2, no registers) or plain
-loads whose values are dropped. All in one CUDA graph (``graph_us``), cycling over COPIES weight copies, so
-without the prefetch the weight comes from DRAM. Columns, GPU us: the chain alone, the GEMV alone (cold, and
-warm: one copy again and again, in L2), chain + GEMV without prefetch, with each prefetch; "gain" is what the
-prefetch took off chain + GEMV.
+GEMV's weight into L2 is forked onto the side stream when the chain starts: ``cp.async.bulk.prefetch.L2`` (the
+copy engine fetches CHUNK bytes a request into L2, no registers) or plain loads whose values are dropped. All in
+one CUDA graph (``graph_us``), cycling over COPIES weight copies, so without the prefetch the weight comes from
+DRAM. Columns, GPU us: the chain alone, the GEMV alone (cold, and warm: one copy again and again, in L2), chain +
+GEMV without prefetch, with each prefetch; "gain" is what the prefetch took off chain + GEMV.
 
     python bench/l2_prefetch_gpu.py [--chain 8]
 """
@@ -27,11 +25,22 @@ from fp8_linear_gpu import fp8_weights
 
 from dsv4.kernels import fp8_linear as f8
 from dsv4.kernels.norm import rms_norm
-from dsv4.kernels.prefetch import CHUNK, prefetch_l2
 from dsv4.kernels.side_stream import fork, join, side_stream
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("shared w1+w3", 4096, 4096), ("wq_a+wkv", 1536, 4096)]
 COPIES = 4
+CHUNK = 16384  # bytes a bulk prefetch request
+
+
+@triton.jit
+def _bulk_prefetch(BASE, nbytes, CHUNK: tl.constexpr, PER: tl.constexpr):
+    """Program p asks the copy engine for PER chunks of CHUNK bytes from BASE + p * PER * CHUNK into L2 (the last
+    one cut to what is left; nbytes a multiple of 16)."""
+    offs = (tl.program_id(0) * PER + tl.arange(0, PER)).to(tl.int64) * CHUNK
+    size = tl.minimum(nbytes - offs, CHUNK).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [BASE + offs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -49,8 +58,10 @@ def _load_prefetch(W, n_words, SINK, BLOCK: tl.constexpr, PER: tl.constexpr):
 
 
 def prefetch(w: torch.Tensor, how: str, sink: torch.Tensor) -> None:
+    nbytes = w.numel() * w.element_size()
     if how == "bulk":
-        prefetch_l2(w)
+        per = 8
+        _bulk_prefetch[(triton.cdiv(nbytes, CHUNK * per),)](w.data_ptr(), nbytes, CHUNK=CHUNK, PER=per, num_warps=1)
     else:
         words, block, per = w.view(torch.int32).view(-1), 1024, 16
         _load_prefetch[(triton.cdiv(words.numel(), block * per),)](words, words.numel(), sink, BLOCK=block, PER=per,

@@ -115,28 +115,15 @@ def test_mhc_sinkhorn_on_a_side_stream_gives_the_same_bits(monkeypatch):
     _side_stream_gives_the_same_bits(monkeypatch, mhc, "MHC_OVERLAP")
 
 
-def test_l2_prefetch_on_a_side_stream_gives_the_same_bits(monkeypatch):
-    """The output projections' weights asked into L2 on a second stream during the attention
-    (model.attention.L2_PREFETCH, wo_a then wo_b, joined after wo_b): the tokens and logprobs of the same graphs
-    without, bit for bit; the prefetches ran. Fails if a prefetch changed memory or the capture broke on the
-    fork."""
-    from dsv4.model import attention
-
-    ran, real = [], attention.prefetch_l2
-    monkeypatch.setattr(attention, "prefetch_l2", lambda w: ran.append(w.numel()) or real(w))
-    _side_stream_gives_the_same_bits(monkeypatch, attention, "L2_PREFETCH", ("wo_a", "wo_b"), ())
-    assert ran
-
-
-def _side_stream_gives_the_same_bits(monkeypatch, module, flag: str, on_value=True, off_value=False):
+def _side_stream_gives_the_same_bits(monkeypatch, module, flag: str):
     """``_bf16_mtp_outputs`` with ``module.flag`` on (the module's side_stream handed out a stream) equals it
     with the flag off (it handed out none), the other side-stream users left as they are."""
     seen, real = [], module.side_stream
     monkeypatch.setattr(module, "side_stream", lambda x, enabled: (lambda s: seen.append(s) or s)(real(x, enabled)))
-    monkeypatch.setattr(module, flag, on_value)
+    monkeypatch.setattr(module, flag, True)
     on = _bf16_mtp_outputs()
     assert any(s is not None for s in seen)
-    monkeypatch.setattr(module, flag, off_value)
+    monkeypatch.setattr(module, flag, False)
     seen.clear()
     assert on == _bf16_mtp_outputs() and seen and not any(seen)
 

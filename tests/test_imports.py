@@ -206,20 +206,3 @@ def test_every_kernel_launched_with_pdl_waits_first():
                 launched.add(ast.unparse(node.func.value))
     assert launched and set(waits) == launched, (set(waits) ^ launched)
     assert all(waits.values()), [k for k, ok in waits.items() if not ok]
-
-
-def test_l2_prefetch_asks_for_the_aligned_run_and_does_nothing_off_the_gpu():
-    """``kernels.prefetch``: the bulk prefetch takes 16-byte-aligned addresses and sizes, so ``span`` gives the
-    aligned run inside a tensor's bytes (never past them); on the CPU ``prefetch_l2`` launches nothing."""
-    import torch
-
-    from dsv4.kernels import prefetch
-
-    buf = torch.zeros(256, dtype=torch.uint8)
-    for lo, hi in ((0, 256), (3, 200), (17, 31), (5, 9)):
-        t = buf[lo:hi]
-        start, end = t.data_ptr(), t.data_ptr() + t.numel()
-        base, n = prefetch.span(t)
-        assert base % 16 == 0 and n % 16 == 0 and n >= 0
-        assert (n == 0 or start <= base and base + n <= end) and end - start - n < 32
-    prefetch.prefetch_l2(buf)  # no CUDA: nothing to launch, no error

@@ -16,8 +16,6 @@ from torch import nn
 
 from ..config import ModelConfig, kind_spec
 from ..kernels import project as project_kernel
-from ..kernels.prefetch import prefetch_l2
-from ..kernels.side_stream import fork, join, side_stream
 from .ops import (Rope, apply_rope, index_scores, pool_windows, rms_norm, rms_norm_rope, sink_attention,
                   topk_mask)
 from .fused import FusedLinears, project
@@ -190,13 +188,6 @@ class Indexer(nn.Module):
         return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
 
-# L2_PREFETCH (an experiment, off; decode_floor.py --l2-prefetch / --l2-prefetch-wo are its A/Bs) names output
-# projections whose weights a captured step asks for in the L2 cache, in that order, on the side stream once the
-# query is projected ("wo_a", "wo_b"): the DRAM fetches wo_a while the norms, the compressor and the attention
-# run, and wo_b while wo_a reads its weight from L2 (``kernels.prefetch``). It changes no value.
-L2_PREFETCH: tuple[str, ...] = ()
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, compress_ratio: int):
         super().__init__()
@@ -258,11 +249,6 @@ class Attention(nn.Module):
         xs = self.project_input(x)
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
-        side = side_stream(x, bool(L2_PREFETCH))
-        if side is not None:  # output projection weights into L2 while the attention runs (joined after wo_b)
-            with fork(side, x.device):
-                for name in L2_PREFETCH:
-                    prefetch_l2(getattr(self, name).weight)
         q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
         # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
         kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
@@ -283,7 +269,5 @@ class Attention(nn.Module):
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
         o = grouped_linear(o, wo_a, self.wo_a.weight_scale)  # [N, g, o_lora]
-        out = self.wo_b(o.flatten(1))
-        join(side, x.device)
-        return out
+        return self.wo_b(o.flatten(1))
 
