@@ -97,6 +97,8 @@ SWITCHES = [
      " (model.mhc.NORM_IN_COLLAPSE's A/B)", _off(mhc, "NORM_IN_COLLAPSE"), "RMSNorm after the mHC collapse"),
     ("--no-fp4-join", "the FP4 GEMV's inputs split in 8 runs, not its decoded tiles joined (fp4_gemv JOIN's A/B)",
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
+    ("--no-fp4-prefetch", "the FP4 GEMV loads each chunk's words when it reaches it, not a chunk ahead"
+     " (fp4_gemv.PREFETCH's A/B)", _off(fp4_gemv, "PREFETCH"), "FP4 GEMV without prefetch"),
     ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",
      _off(bf16_gemv, "ENABLED"), "one-row bf16 products on cuBLAS"),
     ("--one-row-kernels", "the FP8 and bf16 row kernels take one row only, as before the twenty-seventh session:"

@@ -45,8 +45,13 @@ def kernels():
         "fp4_gate_up": (fp4_gemv._fp4_gemv_kernel, fp4,
                         dict(GATHER=True, GATE_UP=True, CLAMP=True, BLOCK_M=16, BLOCK_N=gate_up["BLOCK_N"],
                              BLOCK_K=gate_up["BLOCK_K"], EVEN_K=True, ASM=True, JOIN=gate_up.get("JOIN", False),
-                             PDL=True), fp4_div,
+                             PREFETCH=fp4_gemv.PREFETCH, PDL=True), fp4_div,
                         gate_up["num_warps"]),
+        "fp4_w2": (fp4_gemv._fp4_gemv_kernel, fp4,
+                   dict(GATHER=False, GATE_UP=False, CLAMP=False, BLOCK_M=16, BLOCK_N=fp4_gemv.GEMV_CONFIG["BLOCK_N"],
+                        BLOCK_K=fp4_gemv.GEMV_CONFIG["BLOCK_K"], EVEN_K=True, ASM=True,
+                        JOIN=fp4_gemv.GEMV_CONFIG["JOIN"], PREFETCH=fp4_gemv.PREFETCH, PDL=True), fp4_div,
+                   fp4_gemv.GEMV_CONFIG["num_warps"]),
         **{f"bf16_row{'' if m == 1 else m}": (
             bf16_gemv._row_kernel, {"X": "*bf16", "W": "*i32", "OUT": "*bf16"},
             dict(M=m, BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, PDL=True), ("X", "W", "OUT", "N", "K"), 4)

@@ -44,6 +44,11 @@ def test_fp4_kernels_decode_every_code_and_scale(dtype):
             got, ref = out.cpu()[valid].double(), twin[valid].double()
             err = ((got - ref).norm(dim=0) / ref.norm(dim=0)).max().item()  # per column: scales differ by 2**157
             assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (bm, name, err)
+        for prefetch in (False, True):  # loads a chunk ahead or not: the same arithmetic, the same bits
+            for cfg, out in (({"JOIN": False}, gemv), ({"BLOCK_K": 128, "JOIN": True}, joined)):
+                again = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm,
+                                          dict(cfg, PREFETCH=prefetch))
+                assert torch.equal(again.cpu()[valid], out.cpu()[valid]), (bm, prefetch, cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -152,3 +157,7 @@ def test_fp4_gemv_gate_up_equals_float64_swiglu(dtype, E, I, d, N, k, limit, con
     swapped = fp4_gemv.fp4_gemv_gate_up(x, rows, w3, s3, w1, s1, block_expert, m_pad, bm, limit, row_w, config,
                                         blocks)  # gate and up in each other's place: not the SwiGLU
     assert rel_err(swapped[valid], ref) > 10 * tol
+    for prefetch in (False, True):  # the words a chunk ahead or not: the same bits
+        cfg = dict(config or fp4_gemv.gate_up_config(blocks, E), PREFETCH=prefetch)
+        again = fp4_gemv.fp4_gemv_gate_up(x, rows, w1, s1, w3, s3, block_expert, m_pad, bm, limit, row_w, cfg, blocks)
+        assert torch.equal(again[valid], h[valid]), prefetch

@@ -207,8 +207,9 @@ def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     N = weight.shape[1]
     BN, BK = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if not row_kernel_fits(M, G, N, K, weight, BK) or BLOCK % BN or BK % BLOCK:
-        raise ValueError(f"the FP8 row kernel takes 1 to {ROW_MAX_ROWS} rows, groups of whole {BLOCK}-row blocks, BLOCK_N dividing"
-                         f" {BLOCK} and K in whole BLOCK_K chunks, got {M} x {G} x {N} x {K} with {cfg}")
+        raise ValueError(f"the FP8 row kernel takes 1 to {ROW_MAX_ROWS} rows, groups of whole {BLOCK}-row blocks,"
+                         f" BLOCK_N dividing {BLOCK} and K in whole BLOCK_K chunks, got {M} x {G} x {N} x {K} with"
+                         f" {cfg}")
     out, k_per_split = _partials(x, N, BK, triton.cdiv(N, BN) * G, split)
     _fp8_row_kernel[(triton.cdiv(N, BN), out.shape[0], G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(0),
                                                    x.stride(1), scale.stride(0), k_per_split, M=M, BLOCK_N=BN,
