@@ -84,10 +84,10 @@ SWITCHES = [
      " the fused first half)", _off(fp4_gemv, "GATE_UP_FUSED"), "FP4 w1 / w3 / SwiGLU as three launches"),
     ("--no-pdl", "launch every kernel plainly, without programmatic dependent launch (kernels.pdl's A/B)",
      lambda: pdl.set_enabled(False), "plain launches (no PDL)"),
-    ("--no-pdl-release", "no PDL early release: kernels of one-row passes wait without releasing their successors"
-     " at once, the one-row GEMVs load no weight before their wait (kernels.pdl.set_release(False))",
+    ("--no-pdl-release", "no PDL early release: kernels of passes of at most 4 rows wait without releasing their"
+     " successors at once, the row kernels load no weight before their wait (kernels.pdl.set_release(False))",
      lambda: pdl.set_release(False), "no PDL early release"),
-    ("--pdl-release-always", "PDL early release in passes of every size, not only one-row ones"
+    ("--pdl-release-always", "PDL early release in passes of every size, not only those of at most 4 rows"
      " (kernels.pdl.set_release(True))", lambda: pdl.set_release(True), "PDL early release in every pass"),
     ("--no-shared-overlap", "the shared expert on the main stream, not captured on a side stream"
      " (model.moe.SHARED_OVERLAP's A/B)", _off(moe, "SHARED_OVERLAP"), "shared expert on the main stream"),

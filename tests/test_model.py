@@ -218,10 +218,10 @@ def test_fused_linears_refuse_modules_with_their_own_forward():
             FusedLinears([("a", nn.Linear(4, 2, bias=False)), ("b", bad)])
 
 
-def test_kernels_release_early_in_one_row_passes_only(monkeypatch):
-    """PDL early release (``kernels.pdl``) is on by default only inside passes of one token row: every block and
-    the head of a one-row pass (target and MTP) see it, those of a pass of more rows do not, nor code outside a
-    pass; ``set_release`` forces it either way."""
+def test_kernels_release_early_in_passes_of_few_rows_only(monkeypatch):
+    """PDL early release (``kernels.pdl``) is on by default only inside passes of at most RELEASE_MAX_ROWS (4)
+    token rows, those the row kernels take: every block and the head of such a pass (target and MTP) see it, those
+    of a pass of more rows do not, nor code outside a pass; ``set_release`` forces it either way."""
     from dsv4.kernels import pdl
     from dsv4.model.block import Block
     from dsv4.model.rows import Linear
@@ -232,15 +232,17 @@ def test_kernels_release_early_in_one_row_passes_only(monkeypatch):
     monkeypatch.setattr(Linear, "forward", lambda self, x: seen.append(("linear", pdl.releasing())) or lin(self, x))
     cfg = get_preset("tiny")
     model = build_model(cfg, random_state_dict(cfg, seed=0), True)
-    for T, want in ((1, True), (3, False)):
+    assert pdl.RELEASE_MAX_ROWS == 4
+    for T, want in ((1, True), (4, True), (5, False)):
         seen.clear()
         model(torch.arange(T)[None])
         assert {s for s in seen if s[0] == "block"} == {("block", want)}
         assert ("linear", want) in seen and ("linear", not want) not in seen
-    seen.clear()
-    model.mtp_logits(torch.arange(2)[None])  # a target pass of 2 rows, then an MTP pass of 1
-    blocks = [r for k, r in seen if k == "block"]
-    assert blocks == [False] * cfg.num_layers + [True]
+    for T, target in ((5, False), (2, True)):  # a target pass of T rows, then an MTP pass of T - 1
+        seen.clear()
+        model.mtp_logits(torch.arange(T)[None])
+        blocks = [r for k, r in seen if k == "block"]
+        assert blocks == [target] * cfg.num_layers + [True]
     assert not pdl.releasing()
     for forced in (True, False):
         pdl.set_release(forced)

@@ -84,7 +84,7 @@ if HAVE_TRITON:
         as int32 words [N, K / 2] (value 2i in the low half, 2i + 1 in the high half), each word's values serving
         every row, one accumulator a row (a row's operations are the same whatever M is); the next chunk's words
         load before this chunk's products, the first chunk's before the wait with PDL RELEASE (early release in
-        one-row passes: no kernel writes a weight)."""
+        passes of few rows: no kernel writes a weight)."""
         BW: tl.constexpr = BLOCK_K // 2
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N

@@ -4,9 +4,10 @@ A decode step is some 900 dependent launches, and without PDL each kernel's prog
 it in the stream has finished and drained. Launched with PDL (``launch_pdl``), a kernel is started while its
 predecessor finishes; its programs first wait (``griddepcontrol.wait``: until the predecessor has completed and its
 writes are visible). So a kernel never reads or writes memory before everything before it in the stream is done: the
-same order as plain launches, with the launch latency hidden. In passes of one token row (``pass_rows``: batch-1
-decode and draft passes) each kernel also releases its successor at once after its wait, and the one-row GEMVs, the
-router's logits and the mHC partials load (a first chunk of) their weight before theirs (early release, below). A
+same order as plain launches, with the launch latency hidden. In passes of at most 4 token rows (``pass_rows``:
+decode of up to 4 requests, the draft passes and the verify pass of one request at k <= 3) each kernel also
+releases its successor at once after its wait, and the row kernels (GEMVs), the router's logits and the mHC partials
+load (a first chunk of) their weight before theirs (early release, below). A
 kernel that does not wait must never be launched with PDL: ``args`` gives both keywords together, and ``enter`` is
 each kernel's first statement (under early release those few read only their weight before it,
 ``load_weight_and_enter``). Kernels of other libraries (cuBLAS, torch) in between
@@ -31,15 +32,18 @@ _pass_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_pd
 _supported: dict[int, bool] = {}
 
 # Early release: each kernel releases its successor right after its own wait (``griddepcontrol.launch_dependents``),
-# and the one-row GEMVs (``fp8_linear._fp8_row_kernel``, ``bf16_gemv._row_kernel``) load their first chunk of
+# and the row kernels (``fp8_linear._fp8_row_kernel``, ``bf16_gemv._row_kernel``) load their first chunk of
 # weight before waiting (since the 26th session also ``gate._gate_logits`` and ``mhc._mix_partials``, not measured
 # on their own): no kernel of a step writes a weight, so those loads may run while the predecessor still
 # does, and a GEMV's first DRAM round trip hides behind it. Measured on an H100 (flash-L20-E128, FP4 experts, FP8
 # linears; decode_floor.py, BENCHMARKS.md 26th session): batch 1, overlapped step 3.67 against 3.99 ms; batch 8
 # (no one-row GEMV, only the release) 10.79 against 10.48, and released alone it measured no better than waiting
 # in pdl_gpu.py either. So by default only the kernels of passes of at most RELEASE_MAX_ROWS token rows release:
-# the rows the one-row GEMVs take (``fp8_linear.GEMV_MAX_ROWS``), whose early loads are what pays.
-RELEASE_MAX_ROWS = 1
+# the rows the row kernels take (``fp8_linear.ROW_MAX_ROWS``, ``bf16_gemv.MAX_ROWS``; one until the 27th session),
+# whose early loads are what pays. At 2 rows it measured so too (H100, the MTP k = 1 step of flash-L20-E128, whose
+# verify pass has 2 rows; profile_decode.py --mtp 1, one call): 5.27 ms a step releasing in every pass against 5.54
+# releasing in its one-row passes only. 3 and 4 rows were not measured.
+RELEASE_MAX_ROWS = 4
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 ``model(input_ids)`` is the dense reference forward (no cache). The engine drives the same blocks through
 ``streams`` / ``logits_from_streams`` / ``mtp_streams`` with its cached backend. Each names its rows to the kernels'
-launches (``kernels.pdl.pass_rows``: one-row passes release early).
+launches (``kernels.pdl.pass_rows``: passes of at most 4 rows release early).
 """
 
 from __future__ import annotations
