@@ -30,6 +30,30 @@ def test_bf16_row_kernel_matches_the_product(N, K, bn, M):
         assert torch.equal(out, torch.cat([bf16_gemv.launch(x[r:r + 1], w, bn) for r in range(M)]))
 
 
+@pytest.mark.parametrize("G, N, K", [(8, 1024, 4096), (3, 100, 512)])
+def test_bf16_row_kernel_grouped_matches_the_product(G, N, K):
+    """Grouped products (the attention's wo_a with bf16 weights: Flash's 8 groups, and groups of N not a multiple
+    of BLOCK_N) at 1 to 4 rows: within cuBLAS's own error of the float64 product, each row bit for bit the row
+    alone; ``rows.grouped_linear`` takes the kernel there and einsum at 5 rows."""
+    from dsv4.kernels import bf16_gemv
+    from dsv4.model import rows
+
+    g = torch.Generator(device="cuda").manual_seed(G + N)
+    w = (torch.randn(G, N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(5, G, K, device="cuda", generator=g).bfloat16()
+    alone = torch.cat([bf16_gemv.grouped_linear(x[r:r + 1], w) for r in range(4)])
+    for M in range(1, 5):
+        assert bf16_gemv.grouped_usable(x[:M], w)
+        out = rows.grouped_linear(x[:M], w)
+        ref = torch.einsum("mgk,gnk->mgn", x[:M].double(), w.double())
+        assert out.shape == (M, G, N) and out.dtype == torch.bfloat16
+        e_cublas = rel_err(torch.einsum("mgk,gnk->mgn", x[:M], w).double(), ref)
+        assert rel_err(out.double(), ref) <= 1.5 * e_cublas + 1e-4
+        assert torch.equal(out, alone[:M]), M
+    assert not bf16_gemv.grouped_usable(x, w)  # five rows: einsum
+    assert rel_err(rows.grouped_linear(x, w).double(), torch.einsum("mgk,gnk->mgn", x.double(), w.double())) < 1e-2
+
+
 def test_bf16_row_kernel_takes_one_to_four_bf16_rows_only(monkeypatch):
     """``model.rows.linear`` runs the kernel for one to four bf16 rows (any leading shape), and cuBLAS for five
     rows, an fp32 weight, K not whole chunks, with ENABLED off, and under fixed_rows of more than four rows; a K

@@ -1,6 +1,7 @@
 """Products of one to MAX_ROWS rows with bf16 weights (the linears DeepSeek ships in bf16: the compressors', the
-indexer's weights_proj, fused per layer by ``model.fused``, and the head) on the CUDA cores: a decode step of one
-request has one row, its MTP verify step 1 + k, the MTP catch-up pass as many.
+indexer's weights_proj, fused per layer by ``model.fused``, and the head; with ``linear_format: dequantized`` every
+linear, the attention's grouped wo_a through ``grouped_linear``) on the CUDA cores: a decode step of one request
+has one row, its MTP verify step 1 + k, the MTP catch-up pass as many.
 
 At a decode step of one request cuBLAS runs a compressor product as a split-K GEMM plus a reduction kernel: two
 launches, 8.1 + 1.8 us a layer for 8-22 MB of weight on an H100 (flash-L20-E128). ``_row_kernel`` reads the
@@ -51,14 +52,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return launch(x, weight) if usable(x, weight) else F.linear(x, weight)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None) -> torch.Tensor:
-    """The kernel on a ``usable`` product whatever its size; ``bn``: BLOCK_N (None: ``block_n``)."""
-    N, K = weight.shape
+def grouped_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [M, G, K] with 1 to MAX_ROWS rows, a contiguous bf16 weight [G, N, K] of x's dtype, K in whole chunks,
+    on CUDA."""
+    return (ENABLED and on(x, weight) and x.dim() == 3 and weight.dim() == 3 and 0 < x.shape[0] <= MAX_ROWS
+            and x.shape[1:] == (weight.shape[0], weight.shape[2])
+            and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+            and weight.is_contiguous() and x.shape[-1] % BLOCK_K == 0 and weight.data_ptr() % 4 == 0)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, G, K], weight [G, N, K] -> [M, G, N], each group's rows times its own weight (the attention's wo_a):
+    the row kernel where ``grouped_usable``, else one einsum."""
+    if grouped_usable(x, weight):
+        return launch(x, weight.view(-1, weight.shape[-1]), groups=weight.shape[0])
+    return torch.einsum("ngi,goi->ngo", x, weight)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None, groups: int = 1) -> torch.Tensor:
+    """The kernel on a ``usable`` product whatever its size; ``bn``: BLOCK_N (None: ``block_n``). ``groups``: x is
+    [M, groups, K] and weight [groups * N, K], group g's rows times its N rows of weight -> [M, groups, N]."""
+    GN, K = weight.shape
+    N = GN // groups
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    bn = bn or block_n(N)
-    _row_kernel[(triton.cdiv(N, bn),)](x.reshape(-1).contiguous(), weight.view(torch.int32), out, N, K,
-                                        M=x.numel() // K, BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4, num_stages=1,
-                                        **pdl.args())
+    bn = bn or block_n(GN)
+    _row_kernel[(triton.cdiv(N, bn), groups)](x.reshape(-1).contiguous(), weight.view(torch.int32), out, N, K,
+                                              M=x.numel() // (K * groups), BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4,
+                                              num_stages=1, **pdl.args())
     return out
 
 
@@ -80,16 +100,20 @@ if HAVE_TRITON:
     @triton.jit
     def _row_kernel(X, W, OUT, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
-        """OUT[m, n] = sum_k X[m, k] W[n, k] for BLOCK_N outputs and the M (1 to MAX_ROWS) rows of X [M, K], W read
-        as int32 words [N, K / 2] (value 2i in the low half, 2i + 1 in the high half), each word's values serving
+        """OUT[m, g, n] = sum_k X[m, g, k] W[g N + n, k] for BLOCK_N outputs of group g (program axis 1; one group:
+        X [M, K], OUT [M, N]) and the M (1 to MAX_ROWS) rows of X [M, G, K], W read as int32 words [G N, K / 2]
+        (value 2i in the low half, 2i + 1 in the high half), each word's values serving
         every row, one accumulator a row (a row's operations are the same whatever M is); the next chunk's words
         load before this chunk's products, the first chunk's before the wait with PDL RELEASE (early release in
         passes of few rows: no kernel writes a weight)."""
         BW: tl.constexpr = BLOCK_K // 2
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g, G = tl.program_id(1), tl.num_programs(1)
         n_ok = rn < N
         i = tl.arange(0, BW)
-        w_rows = W + rn.to(tl.int64)[:, None] * (K // 2)
+        w_rows = W + (g * N + rn).to(tl.int64)[:, None] * (K // 2)
+        X += g * K  # row m of group g at X + m * G * K
+        OUT += g * N  # and its outputs at OUT + m * G * N
         acc0 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)  # rows 1 to 3: only where M has them
         acc2 = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
@@ -103,15 +127,15 @@ if HAVE_TRITON:
             hi = (words & -65536).to(tl.float32, bitcast=True)
             acc0 = _row_products(acc0, X + k0, lo, hi, BW, BLOCK_K)
             if M > 1:
-                acc1 = _row_products(acc1, X + K + k0, lo, hi, BW, BLOCK_K)
+                acc1 = _row_products(acc1, X + G * K + k0, lo, hi, BW, BLOCK_K)
             if M > 2:
-                acc2 = _row_products(acc2, X + 2 * K + k0, lo, hi, BW, BLOCK_K)
+                acc2 = _row_products(acc2, X + 2 * G * K + k0, lo, hi, BW, BLOCK_K)
             if M > 3:
-                acc3 = _row_products(acc3, X + 3 * K + k0, lo, hi, BW, BLOCK_K)
+                acc3 = _row_products(acc3, X + 3 * G * K + k0, lo, hi, BW, BLOCK_K)
         tl.store(OUT + rn, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 1:
-            tl.store(OUT + N + rn, tl.sum(acc1, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+            tl.store(OUT + G * N + rn, tl.sum(acc1, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 2:
-            tl.store(OUT + 2 * N + rn, tl.sum(acc2, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+            tl.store(OUT + 2 * G * N + rn, tl.sum(acc2, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 3:
-            tl.store(OUT + 3 * N + rn, tl.sum(acc3, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
+            tl.store(OUT + 3 * G * N + rn, tl.sum(acc3, axis=1).to(OUT.dtype.element_ty), mask=n_ok)

@@ -19,7 +19,7 @@ import contextvars
 import torch
 from torch import nn
 
-from ..kernels.bf16_gemv import linear as bf16_linear
+from ..kernels.bf16_gemv import grouped_linear as bf16_grouped_linear, linear as bf16_linear
 from ..kernels.fp8_linear import BLOCK as FP8_BLOCK, dequantize, fp8_linear, grouped_fp8_linear
 
 ROWS = 128  # rows per GEMM under batch invariance: a decode/verify step of 32 requests x (1 + 3 drafts) in one
@@ -65,8 +65,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, g, i], weight [g, o, i] -> [N, g, o]: each group's rows times its own weight (``scale``: FP8 block
     scales over the weight as [g * o, i])."""
-    if scale is None:
-        fn = lambda c: torch.einsum("ngi,goi->ngo", c, weight)  # noqa: E731
+    if scale is None:  # a few rows take the bf16 row kernel on CUDA (each row's result independent of the others)
+        fn = lambda c: bf16_grouped_linear(c, weight)  # noqa: E731
     else:
         fn = lambda c: grouped_fp8_linear(c, weight, scale)  # noqa: E731
     rows = _fixed.get()
