@@ -99,14 +99,14 @@ SWITCHES = [
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-fp4-prefetch", "the FP4 GEMV loads each chunk's words when it reaches it, not a chunk ahead"
      " (fp4_gemv.PREFETCH's A/B)", _off(fp4_gemv, "PREFETCH"), "FP4 GEMV without prefetch"),
-    ("--no-bf16-row-kernel", "one-row bf16 products on cuBLAS (kernels.bf16_gemv.ENABLED's A/B)",
-     _off(bf16_gemv, "ENABLED"), "one-row bf16 products on cuBLAS"),
+    ("--no-bf16-row-kernel", "bf16 products of 1 to 4 rows on cuBLAS / einsum (kernels.bf16_gemv.ENABLED's A/B)",
+     _off(bf16_gemv, "ENABLED"), "few-row bf16 products on cuBLAS"),
     ("--one-row-kernels", "the FP8 and bf16 row kernels take one row only, as before the twenty-seventh session:"
      " products of 2 to 4 rows on the FP8 tensor-core kernel and cuBLAS (fp8_linear.ROW_MAX_ROWS and"
      " bf16_gemv.MAX_ROWS at 1)", _one_row_kernels, "row kernels for one row only"),
-    ("--no-fp8-row-kernel", "FP8 linears: one-row products on the general GEMV, not the one-row kernel"
-     " (kernels.fp8_linear.ROW_KERNEL's A/B)", _off(fp8_linear, "ROW_KERNEL"),
-     "FP8 one-row products on the general GEMV"),
+    ("--no-fp8-row-kernel", "FP8 linears: one-row products on the general GEMV, 2 to 4 rows on the tensor-core"
+     " kernel, not the row kernel (kernels.fp8_linear.ROW_KERNEL's A/B)", _off(fp8_linear, "ROW_KERNEL"),
+     "FP8 few-row products off the row kernel"),
 ]
 
 

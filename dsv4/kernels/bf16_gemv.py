@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import HAVE_TRITON, on, pdl
 
-ENABLED = True  # False: one-row bf16 products stay on cuBLAS (decode_floor.py --no-bf16-row-kernel)
+ENABLED = True  # False: few-row bf16 products stay on cuBLAS / einsum (decode_floor.py --no-bf16-row-kernel)
 BLOCK_K = 512  # inputs per chunk; K must be whole chunks
 ROW_PROGRAMS = 256  # BLOCK_N halves from MAX_BLOCK_N (down to 4) until the outputs make at least this many programs
 MAX_BLOCK_N = 16

@@ -246,7 +246,8 @@ if HAVE_TRITON:
         (``swiglu.swiglu_f32``, the clamp at ``limit`` with CLAMP), from the float32 sums: both products of a
         row share its input loads, one launch instead of three. EVEN_K: K is a multiple of BLOCK_K, so no
         load is masked along K (masks that vary along the words keep the loads scalar). JOIN: the 8 decoded tiles
-        joined into one (``join8``) against the inputs reshaped alike, instead of the inputs split in 8 runs."""
+        joined into one (``join8``) against the inputs reshaped alike, instead of the inputs split in 8 runs. PREFETCH:
+        each chunk's words and scale bytes load a chunk ahead (the module's PREFETCH)."""
         enter(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(BLOCK_EXPERT + pid_m)

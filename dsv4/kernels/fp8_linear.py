@@ -43,16 +43,16 @@ GEMV_MAX_ACC = 8192  # float32 accumulator elements per GEMV program (rows x BLO
 # at 16; at 4096 outputs and fewer 8 is best
 GEMV_PROGRAMS = 512
 GEMV_MAX_BLOCK_N = 32
-# One row (the engine's GEMV products at decode): ``_fp8_row_kernel`` reads the weight as 32-bit words of 4 codes and
-# widens each word with two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 conversions (inline PTX), where the general
-# GEMV's widening went through byte permutes and a shared-memory relayout of the inputs in every chunk: compiled for
-# sm_90 (bench/kernel_sass.py), its K loop has 130 instructions for 32 weight bytes a thread against 282: the GEMV
-# was bound by issuing instructions, not by memory. On an H100 (bench/fp8_row_gpu.py, BENCHMARKS.md) Flash's
-# one-row projections took 20-25% less time (wq_b 13.6 against 16.8 us, 84% of the copy bandwidth), and the
-# flash-L20-E128 step 4.30 against 4.54 ms. PREFETCH loads the next chunk's words before this chunk's products.
-# The sweep found BLOCK_N 8 faster on most projections, and so it measured in the step: 4.21 against 4.38 ms at
-# BLOCK_N 16 (flash-L20-E128, batch 1, H100, one call; --fp8-row-tile). ROW_KERNEL = False: the general GEMV for
-# one row too (decode_floor.py --no-fp8-row-kernel).
+# The row kernel (one row until the 27th session; the measurements here are of one row): ``_fp8_row_kernel`` reads the
+# weight as 32-bit words of 4 codes and widens each word with two cvt.rn.f16x2.e4m3x2 and four f16 -> f32 conversions
+# (inline PTX), where the general GEMV's widening went through byte permutes and a shared-memory relayout of the inputs
+# in every chunk: compiled for sm_90 (bench/kernel_sass.py), its K loop has 130 instructions for 32 weight bytes a
+# thread against 282: the GEMV was bound by issuing instructions, not by memory. On an H100 (bench/fp8_row_gpu.py,
+# BENCHMARKS.md) Flash's one-row projections took 20-25% less time (wq_b 13.6 against 16.8 us, 84% of the copy
+# bandwidth), and the flash-L20-E128 step 4.30 against 4.54 ms. PREFETCH loads the next chunk's words before this
+# chunk's products. The sweep found BLOCK_N 8 faster on most projections, and so it measured in the step: 4.21 against
+# 4.38 ms at BLOCK_N 16 (flash-L20-E128, batch 1, H100, one call; --fp8-row-tile). ROW_KERNEL = False: the general GEMV
+# for one row, the tensor-core kernel for 2 to 4 (decode_floor.py --no-fp8-row-kernel).
 ROW_KERNEL = True
 # Rows the row kernel takes: one accumulator a row, each row's operations the same whatever the number of rows (a
 # row's result does not depend on its neighbours). At 2 rows on the tensor-core kernel instead, an MTP step (k = 1)

@@ -52,8 +52,8 @@ def _chunked(x: torch.Tensor, rows: int, fn) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias), per row the same for any number of rows under ``fixed_rows``.
-    ``scale``: the weight is FP8 with these block scales (``dsv4.kernels.fp8_linear``); without, a one-row
-    product of a bf16 weight runs ``dsv4.kernels.bf16_gemv`` on CUDA."""
+    ``scale``: the weight is FP8 with these block scales (``dsv4.kernels.fp8_linear``); without, a product
+    of one to four rows of a bf16 weight runs ``dsv4.kernels.bf16_gemv`` on CUDA."""
     fn = (lambda c: bf16_linear(c, weight)) if scale is None else (lambda c: fp8_linear(c, weight, scale))
     rows = _fixed.get()
     if rows is None:
