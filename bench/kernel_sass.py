@@ -36,10 +36,10 @@ def kernels():
     row = fp8_linear.ROW_CONFIG
     gate_up = fp4_gemv.GEMV_CONFIG_GATE_UP_FEW
     return {
-        **{f"fp8_row{'' if m == 1 else m}": (
+        **{f"fp8_row{'_bcast' if bcast else ''}{'' if m == 1 else m}": (
             fp8_linear._fp8_row_kernel, dict(fp8, W="*i32"),
-            dict(M=m, BLOCK_N=row["BLOCK_N"], BLOCK_K=row["BLOCK_K"], SB=128, PREFETCH=row["PREFETCH"], PDL=True),
-            fp8_div, row["num_warps"]) for m in (1, 2, 4)},
+            dict(M=m, BLOCK_N=row["BLOCK_N"], BLOCK_K=row["BLOCK_K"], SB=128, PREFETCH=row["PREFETCH"], BCAST=bcast,
+                 PDL=True), fp8_div, row["num_warps"]) for m in (1, 2, 4) for bcast in (False, True)},
         "fp8_gemv": (fp8_linear._fp8_gemv_kernel, fp8,
                      dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, SB=128, PDL=True), fp8_div, 4),
         "fp4_gate_up": (fp4_gemv._fp4_gemv_kernel, fp4,
