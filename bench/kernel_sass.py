@@ -52,10 +52,10 @@ def kernels():
                         BLOCK_K=fp4_gemv.GEMV_CONFIG["BLOCK_K"], EVEN_K=True, ASM=True,
                         JOIN=fp4_gemv.GEMV_CONFIG["JOIN"], PREFETCH=fp4_gemv.PREFETCH, PDL=True), fp4_div,
                    fp4_gemv.GEMV_CONFIG["num_warps"]),
-        **{f"bf16_row{'' if m == 1 else m}": (
+        **{f"bf16_row{'_bcast' if bcast else ''}{'' if m == 1 else m}": (
             bf16_gemv._row_kernel, {"X": "*bf16", "W": "*i32", "OUT": "*bf16"},
-            dict(M=m, BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, PDL=True), ("X", "W", "OUT", "N", "K"), 4)
-           for m in (1, 2, 4)},
+            dict(M=m, BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, BCAST=bcast, PDL=True), ("X", "W", "OUT", "N", "K"), 4)
+           for m in (1, 2, 4) for bcast in (False, True)},
         "mhc_collapse": (mhc._collapse, {"P": "*fp32", "X": "*bf16", "SCALE": "*fp32", "BASE": "*fp32", "POST": "*fp32",
                                          "COMB": "*fp32", "NW": "*bf16", "U": "*bf16", "eps": "fp32",
                                          "norm_eps": "fp32"},
