@@ -9,11 +9,13 @@ from .test_kernels_cuda import rel_err
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("N, K", [(2624, 4096), (1024, 4096), (100, 512), (5, 1024), (129280, 1024)])
+@pytest.mark.parametrize("N, K", [(2624, 4096), (1024, 4096), (100, 512), (5, 1024), (129280, 1024), (256, 96),
+                                  (100, 384)])
 @pytest.mark.parametrize("bn", [None, 4, 16])
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
 def test_bf16_row_kernel_matches_the_product(N, K, bn, M):
-    """Fused compressor widths, a ratio-128 layer's, N not a multiple of BLOCK_N, N below it, the head's N, at 1 to
+    """Fused compressor widths, a ratio-128 layer's, N not a multiple of BLOCK_N, N below it, the head's N, mini's
+    widths (K 96 and 384: chunks of 32 and 128 inputs), at 1 to
     4 rows: within cuBLAS's own error of the float64 product (both round the output to bf16), and each row bit for
     bit the row alone (an MTP verify step's rows round as MTP off's one row does); BCAST gives the same bits."""
     from dsv4.kernels import bf16_gemv

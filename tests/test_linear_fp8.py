@@ -151,6 +151,15 @@ def test_the_row_kernel_takes_few_row_products_of_whole_words_and_chunks():
     assert not row_kernel_fits(1, 1, 100, 4096, odd)
 
 
+def test_the_bf16_row_kernel_chunks_any_width_of_whole_32s():
+    """``bf16_gemv.block_k``: Flash's widths in chunks of 512 inputs, a small model's (mini: 256, 128, 96) in the
+    largest power of two that divides them, from 32 up; other widths stay on cuBLAS."""
+    from dsv4.kernels.bf16_gemv import block_k
+
+    assert [block_k(k) for k in (4096, 7168, 8192, 256, 128, 96, 384, 32)] == [512, 512, 512, 256, 128, 32, 128, 32]
+    assert block_k(1000) is None and block_k(48) is None and block_k(16) is None
+
+
 def test_bad_linear_formats_are_refused_before_loading():
     with pytest.raises(EngineConfigError, match="linear_format 'fp4': use dequantized or fp8"):
         LLM("tiny", warmup=False, linear_format="fp4")

@@ -7,7 +7,9 @@ At a decode step of one request cuBLAS runs a compressor product as a split-K GE
 launches, 8.1 + 1.8 us a layer for 8-22 MB of weight on an H100 (flash-L20-E128). ``_row_kernel`` reads the
 weight as 32-bit words of two values (each widened to float32 by a shift or a mask: one integer op a value),
 times the inputs split into their even and odd runs, accumulated element-wise and summed once at the end: one
-launch, no partial sums. BLOCK_N shrinks (to 4) so that a small product still has about ROW_PROGRAMS programs.
+launch, no partial sums. BLOCK_N shrinks (to 4) so that a small product still has about ROW_PROGRAMS programs;
+the chunk of inputs is 512 at Flash's widths, and for a small model's (mini's 256, 128, 96) the largest power of
+two that divides K (``block_k``).
 Measured on an H100 (bench/bf16_row_gpu.py, BENCHMARKS.md, 25th session): 9.1 against 12.0 us on a ratio-4
 layer's 2624 x 4096, 6.0 against 7.6 on a ratio-128 layer's 1024 x 4096, 331 against 364 us on the head
 (129280 x 4096); the flash-L20-E128 step at batch 1 4.03 against 4.11 ms with the compressors' products and the
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 from . import HAVE_TRITON, on, pdl
 
 ENABLED = True  # False: few-row bf16 products stay on cuBLAS / einsum (decode_floor.py --no-bf16-row-kernel)
-BLOCK_K = 512  # inputs per chunk; K must be whole chunks
+BLOCK_K = 512  # inputs per chunk at most (``block_k``): K must be whole chunks
+MIN_BLOCK_K = 32
 ROW_PROGRAMS = 256  # BLOCK_N halves from MAX_BLOCK_N (down to 4) until the outputs make at least this many programs
 MAX_BLOCK_N = 16
 # BCAST (an experiment, off; decode_floor.py --bf16-row-bcast): each row's inputs loaded for every output of the
@@ -42,14 +45,24 @@ def block_n(N: int) -> int:
     return bn
 
 
+def block_k(K: int) -> int | None:
+    """Inputs per chunk for K inputs: the largest power of two up to BLOCK_K that divides K (Flash's widths take
+    512; a small model's 256 or 96 take 256 or 32), None below MIN_BLOCK_K."""
+    bk = BLOCK_K
+    while bk >= MIN_BLOCK_K and K % bk:
+        bk //= 2
+    return bk if bk >= MIN_BLOCK_K else None
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """1 to MAX_ROWS rows (x [..., K]), a contiguous bf16 weight [N, K] of x's dtype, K in whole chunks, on CUDA
-    (anything else, a K that does not match among it, goes to ``F.linear`` and its errors)."""
+    """1 to MAX_ROWS rows (x [..., K]), a contiguous bf16 weight [N, K] of x's dtype, K a multiple of MIN_BLOCK_K
+    (``block_k``), on CUDA (anything else, a K that does not match among it, goes to ``F.linear`` and its
+    errors)."""
     return (ENABLED and on(x, weight) and x.dim() > 0 and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
             and weight.dim() == 2
             and weight.shape[1] == x.shape[-1]
             and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-            and weight.is_contiguous() and x.shape[-1] % BLOCK_K == 0 and weight.data_ptr() % 4 == 0)
+            and weight.is_contiguous() and block_k(x.shape[-1]) is not None and weight.data_ptr() % 4 == 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -58,12 +71,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [M, G, K] with 1 to MAX_ROWS rows, a contiguous bf16 weight [G, N, K] of x's dtype, K in whole chunks,
-    on CUDA."""
+    """x [M, G, K] with 1 to MAX_ROWS rows, a contiguous bf16 weight [G, N, K] of x's dtype, K a multiple of
+    MIN_BLOCK_K, on CUDA."""
     return (ENABLED and on(x, weight) and x.dim() == 3 and weight.dim() == 3 and 0 < x.shape[0] <= MAX_ROWS
             and x.shape[1:] == (weight.shape[0], weight.shape[2])
             and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-            and weight.is_contiguous() and x.shape[-1] % BLOCK_K == 0 and weight.data_ptr() % 4 == 0)
+            and weight.is_contiguous() and block_k(x.shape[-1]) is not None and weight.data_ptr() % 4 == 0)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -84,7 +97,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None, groups:
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     bn = bn or block_n(GN)
     _row_kernel[(triton.cdiv(N, bn), groups)](x.reshape(-1).contiguous(), weight.view(torch.int32), out, N, K,
-                                              M=x.numel() // (K * groups), BLOCK_N=bn, BLOCK_K=BLOCK_K,
+                                              M=x.numel() // (K * groups), BLOCK_N=bn, BLOCK_K=block_k(K),
                                               BCAST=BCAST if bcast is None else bcast, num_warps=4, num_stages=1,
                                               **pdl.args())
     return out
