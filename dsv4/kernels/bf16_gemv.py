@@ -31,7 +31,7 @@ MIN_BLOCK_K = 32
 ROW_PROGRAMS = 256  # BLOCK_N halves from MAX_BLOCK_N (down to 4) until the outputs make at least this many programs
 MAX_BLOCK_N = 16
 # BCAST (an experiment, off; decode_floor.py --bf16-row-bcast): each row's inputs loaded for every output of the
-# tile in the words' layout (``_row_products_bcast``) instead of relaid through shared memory: compiled for sm_90
+# tile in the words' layout (``_row_products``) instead of relaid through shared memory: compiled for sm_90
 # the loop has no barrier (4 before), 102 instructions against 125 at BLOCK_N 8 and 183 against 222 at 16 (the
 # head's), 56 / 96 registers against 88 / 158. The same products, the same bits. Not measured on a GPU yet
 BCAST = False
@@ -54,15 +54,18 @@ def block_k(K: int) -> int | None:
     return bk if bk >= MIN_BLOCK_K else None
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """1 to MAX_ROWS rows (x [..., K]), a contiguous bf16 weight [N, K] of x's dtype, K a multiple of MIN_BLOCK_K
-    (``block_k``), on CUDA (anything else, a K that does not match among it, goes to ``F.linear`` and its
-    errors)."""
-    return (ENABLED and on(x, weight) and x.dim() > 0 and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
-            and weight.dim() == 2
-            and weight.shape[1] == x.shape[-1]
-            and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+def _weight_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What both products ask of their operands: the kernel on, CUDA, bf16, a contiguous weight whose rows start on
+    a 32-bit word, K a multiple of MIN_BLOCK_K (``block_k``)."""
+    return (ENABLED and on(x, weight) and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
             and weight.is_contiguous() and block_k(x.shape[-1]) is not None and weight.data_ptr() % 4 == 0)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """1 to MAX_ROWS rows (x [..., K]) and a weight [N, K] that ``_weight_fits`` (anything else, a K that does not
+    match among it, goes to ``F.linear`` and its errors)."""
+    return (x.dim() > 0 and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and weight.dim() == 2
+            and weight.shape[1] == x.shape[-1] and _weight_fits(x, weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -71,12 +74,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [M, G, K] with 1 to MAX_ROWS rows, a contiguous bf16 weight [G, N, K] of x's dtype, K a multiple of
-    MIN_BLOCK_K, on CUDA."""
-    return (ENABLED and on(x, weight) and x.dim() == 3 and weight.dim() == 3 and 0 < x.shape[0] <= MAX_ROWS
-            and x.shape[1:] == (weight.shape[0], weight.shape[2])
-            and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-            and weight.is_contiguous() and block_k(x.shape[-1]) is not None and weight.data_ptr() % 4 == 0)
+    """x [M, G, K] with 1 to MAX_ROWS rows and a weight [G, N, K] that ``_weight_fits``."""
+    return (x.dim() == 3 and weight.dim() == 3 and 0 < x.shape[0] <= MAX_ROWS
+            and x.shape[1:] == (weight.shape[0], weight.shape[2]) and _weight_fits(x, weight))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -110,20 +110,17 @@ if HAVE_TRITON:
     from .pdl import load_weight_and_enter
 
     @triton.jit
-    def _row_products(acc, x_row, lo, hi, BW: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_products(acc, x_row, lo, hi, BLOCK_N: tl.constexpr, BW: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BCAST: tl.constexpr):
         """One row's chunk: its inputs (at ``x_row``) split into even and odd runs times the weights they meet,
-        accumulated element-wise into ``acc``."""
-        x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
-        acc += lo * x_even[None, :]
-        acc += hi * x_odd[None, :]
-        return acc
-
-    @triton.jit
-    def _row_products_bcast(acc, x_row, lo, hi, BLOCK_N: tl.constexpr, BW: tl.constexpr, BLOCK_K: tl.constexpr):
-        """``_row_products`` with the inputs loaded for every output of the tile (from L1) in the words' layout
-        (16-byte loads of 8 inputs, 4 words a thread), not relaid through shared memory (BCAST)."""
-        ks = tl.arange(0, BLOCK_K)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-        x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + ks).to(tl.float32), [BLOCK_N, BW, 2]))
+        accumulated element-wise into ``acc``. BCAST: the inputs loaded for every output of the tile (from L1) in
+        the words' layout (16-byte loads of 8 inputs, 4 words a thread), not relaid through shared memory."""
+        if BCAST:
+            ks = tl.arange(0, BLOCK_K)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+            x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + ks).to(tl.float32), [BLOCK_N, BW, 2]))
+        else:
+            x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
+            x_even, x_odd = x_even[None, :], x_odd[None, :]
         acc += lo * x_even
         acc += hi * x_odd
         return acc
@@ -156,22 +153,13 @@ if HAVE_TRITON:
                           other=0)
             lo = (words << 16).to(tl.float32, bitcast=True)  # the even input's weight (bf16 bits as float32)
             hi = (words & -65536).to(tl.float32, bitcast=True)
-            if BCAST:
-                acc0 = _row_products_bcast(acc0, X + k0, lo, hi, BLOCK_N, BW, BLOCK_K)
-                if M > 1:
-                    acc1 = _row_products_bcast(acc1, X + G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K)
-                if M > 2:
-                    acc2 = _row_products_bcast(acc2, X + 2 * G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K)
-                if M > 3:
-                    acc3 = _row_products_bcast(acc3, X + 3 * G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K)
-            else:
-                acc0 = _row_products(acc0, X + k0, lo, hi, BW, BLOCK_K)
-                if M > 1:
-                    acc1 = _row_products(acc1, X + G * K + k0, lo, hi, BW, BLOCK_K)
-                if M > 2:
-                    acc2 = _row_products(acc2, X + 2 * G * K + k0, lo, hi, BW, BLOCK_K)
-                if M > 3:
-                    acc3 = _row_products(acc3, X + 3 * G * K + k0, lo, hi, BW, BLOCK_K)
+            acc0 = _row_products(acc0, X + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+            if M > 1:
+                acc1 = _row_products(acc1, X + G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+            if M > 2:
+                acc2 = _row_products(acc2, X + 2 * G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+            if M > 3:
+                acc3 = _row_products(acc3, X + 3 * G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
         tl.store(OUT + rn, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 1:
             tl.store(OUT + G * N + rn, tl.sum(acc1, axis=1).to(OUT.dtype.element_ty), mask=n_ok)

@@ -61,7 +61,7 @@ ROW_KERNEL = True
 # BENCHMARKS.md 27th session)
 ROW_MAX_ROWS = 4
 # BCAST (an experiment, off; decode_floor.py --fp8-row-bcast): each row's inputs loaded in the words' layout
-# (``_row_products_bcast``) instead of relaid through shared memory with a barrier per strided run: compiled for
+# (``_row_products``' BCAST) instead of relaid through shared memory with a barrier per strided run: compiled for
 # sm_90 at BLOCK_N 8, 146 / 199 / 305 loop instructions at 1 / 2 / 4 rows against 142 / 202 / 320, no barrier
 # against 8 a row, 64 / 80 / 126 registers against 56 / 96 / 149. Not measured on a GPU yet
 ROW_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "PREFETCH": True, "BCAST": False, "num_warps": 4, "num_stages": 1}
@@ -282,35 +282,36 @@ if HAVE_TRITON:
         }""", "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
 
     @triton.jit
-    def _row_products(acc, x_row, sc, o0, o1, o2, o3, BW: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _tile_rows(y, BCAST: tl.constexpr):
+        """``_row_products``' scaled inputs as the tile's rows take them: [BW] -> [1, BW] (with BCAST already
+        [BLOCK_N, BW])."""
+        if BCAST:
+            return y
+        else:
+            return y[None, :]
+
+    @triton.jit
+    def _row_products(acc, x_row, sc, o0, o1, o2, o3, BLOCK_N: tl.constexpr, BW: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BCAST: tl.constexpr):
         """One row's chunk: its BLOCK_K inputs (at ``x_row``) split into 4 strided runs, each scaled by its block's
-        scale (exact), times the widened codes they meet, accumulated element-wise into ``acc``."""
-        x = tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
+        scale (exact), times the widened codes they meet, accumulated element-wise into ``acc``. BCAST: the
+        inputs loaded for each output of the tile (a [BLOCK_N, BLOCK_K] load of the same inputs, from L1) in the
+        layout the words take: compiled for sm_90 (with the words loaded 2 a thread) the loop has no shared-memory
+        relayout and no barrier, against 8 a row without. The same products, the same bits."""
+        if BCAST:
+            ks = tl.arange(0, BLOCK_K)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+            x = tl.reshape(tl.load(x_row + ks).to(tl.float32), [BLOCK_N, BW, 2, 2])
+            s = sc[None, :]
+        else:
+            x = tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
+            s = sc
         x_even, x_odd = tl.split(x)  # inputs 4i + t: t % 2, then t // 2
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
-        acc += o0 * (x0 * sc)[None, :]
-        acc += o1 * (x1 * sc)[None, :]
-        acc += o2 * (x2 * sc)[None, :]
-        acc += o3 * (x3 * sc)[None, :]
-        return acc
-
-    @triton.jit
-    def _row_products_bcast(acc, x_row, sc, o0, o1, o2, o3, BLOCK_N: tl.constexpr, BW: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """``_row_products`` with the inputs loaded for each output of the tile (a [BLOCK_N, BLOCK_K] load of the
-        same BLOCK_K inputs, from L1) in the layout the words take: compiled for sm_90 (with the words loaded 2 a
-        thread) the loop has no shared-memory relayout and no barrier, against 8 a row without. The same
-        products, the same bits."""
-        ks = tl.arange(0, BLOCK_K)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-        x = tl.reshape(tl.load(x_row + ks).to(tl.float32), [BLOCK_N, BW, 2, 2])
-        x_even, x_odd = tl.split(x)
-        x0, x2 = tl.split(x_even)
-        x1, x3 = tl.split(x_odd)
-        acc += o0 * (x0 * sc[None, :])
-        acc += o1 * (x1 * sc[None, :])
-        acc += o2 * (x2 * sc[None, :])
-        acc += o3 * (x3 * sc[None, :])
+        acc += o0 * _tile_rows(x0 * s, BCAST)
+        acc += o1 * _tile_rows(x1 * s, BCAST)
+        acc += o2 * _tile_rows(x2 * s, BCAST)
+        acc += o3 * _tile_rows(x3 * s, BCAST)
         return acc
 
     @triton.jit
@@ -330,7 +331,7 @@ if HAVE_TRITON:
         n_ok = rn < N
         i = tl.arange(0, BW)
         if BCAST:  # words loaded 2 a thread (8 bytes): each lane then holds the codes of 8 consecutive inputs, as
-            i = tl.max_contiguous(i, 2)  # the inputs' 16-byte loads give them (``_row_products_bcast``)
+            i = tl.max_contiguous(i, 2)  # the inputs' 16-byte loads give them (``_row_products``' BCAST)
         w_rows = W + (g * N + rn).to(tl.int64)[:, None] * (K // 4)
         s_row = S + ((g * N + pid_n * BLOCK_N) // SB) * stride_s  # one block row (gemv_shape)
         x_rows = X + g * stride_xg
@@ -353,24 +354,15 @@ if HAVE_TRITON:
                 words = tl.load(w_rows + (k0 // 4 + i)[None, :], mask=n_ok[:, None], other=0)
             sc = tl.load(s_row + (k0 + 4 * i) // SB)
             o0, o1, o2, o3 = e4m3_word(words)
-            if BCAST:
-                acc0 = _row_products_bcast(acc0, x_rows + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K)
-                if M > 1:
-                    acc1 = _row_products_bcast(acc1, x_rows + stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K)
-                if M > 2:
-                    acc2 = _row_products_bcast(acc2, x_rows + 2 * stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW,
-                                               BLOCK_K)
-                if M > 3:
-                    acc3 = _row_products_bcast(acc3, x_rows + 3 * stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW,
-                                               BLOCK_K)
-            else:
-                acc0 = _row_products(acc0, x_rows + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
-                if M > 1:
-                    acc1 = _row_products(acc1, x_rows + stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
-                if M > 2:
-                    acc2 = _row_products(acc2, x_rows + 2 * stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
-                if M > 3:
-                    acc3 = _row_products(acc3, x_rows + 3 * stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
+            acc0 = _row_products(acc0, x_rows + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K, BCAST)
+            if M > 1:
+                acc1 = _row_products(acc1, x_rows + stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K, BCAST)
+            if M > 2:
+                acc2 = _row_products(acc2, x_rows + 2 * stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K,
+                                     BCAST)
+            if M > 3:
+                acc3 = _row_products(acc3, x_rows + 3 * stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K,
+                                     BCAST)
         dst = OUT + (split * M * G + g) * N + rn  # [S, M, G, N]: row r at dst + r * G * N
         tl.store(dst, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 1:
