@@ -101,15 +101,9 @@ SWITCHES = [
      " (fp4_gemv.PREFETCH's A/B)", _off(fp4_gemv, "PREFETCH"), "FP4 GEMV without prefetch"),
     ("--no-bf16-row-kernel", "bf16 products of 1 to 4 rows on cuBLAS / einsum (kernels.bf16_gemv.ENABLED's A/B)",
      _off(bf16_gemv, "ENABLED"), "few-row bf16 products on cuBLAS"),
-    ("--bf16-row-bcast", "the bf16 row kernel loads each row's inputs in its words' layout, no shared-memory"
-     " relayout (bf16_gemv.BCAST, an experiment)", lambda: setattr(bf16_gemv, "BCAST", True),
-     "bf16 row kernel's inputs broadcast"),
     ("--one-row-kernels", "the FP8 and bf16 row kernels take one row only, as before the twenty-seventh session:"
      " products of 2 to 4 rows on the FP8 tensor-core kernel and cuBLAS (fp8_linear.ROW_MAX_ROWS and"
      " bf16_gemv.MAX_ROWS at 1)", _one_row_kernels, "row kernels for one row only"),
-    ("--fp8-row-bcast", "the FP8 row kernel loads each row's inputs in its words' layout, no shared-memory"
-     " relayout (fp8_linear.ROW_CONFIG's BCAST, an experiment)", lambda: fp8_linear.ROW_CONFIG.update(BCAST=True),
-     "FP8 row kernel's inputs broadcast"),
     ("--no-fp8-row-kernel", "FP8 linears: one-row products on the general GEMV, 2 to 4 rows on the tensor-core"
      " kernel, not the row kernel (kernels.fp8_linear.ROW_KERNEL's A/B)", _off(fp8_linear, "ROW_KERNEL"),
      "FP8 few-row products off the row kernel"),

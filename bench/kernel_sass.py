@@ -36,10 +36,10 @@ def kernels():
     row = fp8_linear.ROW_CONFIG
     gate_up = fp4_gemv.GEMV_CONFIG_GATE_UP_FEW
     return {
-        **{f"fp8_row{'_bcast' if bcast else ''}{'' if m == 1 else m}": (
+        **{f"fp8_row{'' if m == 1 else m}": (
             fp8_linear._fp8_row_kernel, dict(fp8, W="*i32"),
-            dict(M=m, BLOCK_N=row["BLOCK_N"], BLOCK_K=row["BLOCK_K"], SB=128, PREFETCH=row["PREFETCH"], BCAST=bcast,
-                 PDL=True), fp8_div, row["num_warps"]) for m in (1, 2, 4) for bcast in (False, True)},
+            dict(M=m, BLOCK_N=row["BLOCK_N"], BLOCK_K=row["BLOCK_K"], SB=128, PREFETCH=row["PREFETCH"], PDL=True),
+            fp8_div, row["num_warps"]) for m in (1, 2, 4)},
         "fp8_gemv": (fp8_linear._fp8_gemv_kernel, fp8,
                      dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, SB=128, PDL=True), fp8_div, 4),
         "fp4_gate_up": (fp4_gemv._fp4_gemv_kernel, fp4,
@@ -52,10 +52,10 @@ def kernels():
                         BLOCK_K=fp4_gemv.GEMV_CONFIG["BLOCK_K"], EVEN_K=True, ASM=True,
                         JOIN=fp4_gemv.GEMV_CONFIG["JOIN"], PREFETCH=fp4_gemv.PREFETCH, PDL=True), fp4_div,
                    fp4_gemv.GEMV_CONFIG["num_warps"]),
-        **{f"bf16_row{'_bcast' if bcast else ''}{'' if m == 1 else m}": (
+        **{f"bf16_row{'' if m == 1 else m}": (
             bf16_gemv._row_kernel, {"X": "*bf16", "W": "*i32", "OUT": "*bf16"},
-            dict(M=m, BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, BCAST=bcast, PDL=True), ("X", "W", "OUT", "N", "K"), 4)
-           for m in (1, 2, 4) for bcast in (False, True)},
+            dict(M=m, BLOCK_N=8, BLOCK_K=bf16_gemv.BLOCK_K, PDL=True), ("X", "W", "OUT", "N", "K"), 4)
+           for m in (1, 2, 4)},
         "mhc_collapse": (mhc._collapse, {"P": "*fp32", "X": "*bf16", "SCALE": "*fp32", "BASE": "*fp32", "POST": "*fp32",
                                          "COMB": "*fp32", "NW": "*bf16", "U": "*bf16", "eps": "fp32",
                                          "norm_eps": "fp32"},

@@ -52,8 +52,7 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
     if M <= 4 and f8.gemv_shape(G, N):
         paths.append((True, None))
     if f8.row_kernel_fits(M, G, N, K, w):
-        paths += [("row", None), ("row", {"PREFETCH": False}), ("row", {"BLOCK_N": 8, "BLOCK_K": 1024}),
-                  ("row", {"BCAST": True}), ("row", {"BCAST": True, "BLOCK_N": 16})]
+        paths += [("row", None), ("row", {"PREFETCH": False}), ("row", {"BLOCK_N": 8, "BLOCK_K": 1024})]
     for gemv, cfg in paths:
         out = f8._launch(x, w, s, config=cfg, split=split, gemv=gemv)
         assert out.dtype == dtype and out.shape == (M, G, N)
@@ -71,8 +70,7 @@ def test_fp8_linear_kernel_matches_twin(dtype, M, G, N, K, split):
 def test_fp8_row_kernel_gives_each_row_the_bits_it_gets_alone(G, N, K, split):
     """The row kernel on 2, 3 and 4 rows (an MTP verify step of one request): each row's outputs are bit for bit
     those of the row alone (one accumulator a row, the same operations whatever the rows), so MTP on and off
-    round its products alike; and within the twin's tolerance. With BCAST (the inputs loaded in the words'
-    layout) the same bits at 1 to 4 rows."""
+    round its products alike; and within the twin's tolerance."""
     from dsv4.checkpoint.quant import e8m0_to_float, quant_fp8_block
     from dsv4.kernels import fp8_linear as f8
 
@@ -87,8 +85,6 @@ def test_fp8_row_kernel_gives_each_row_the_bits_it_gets_alone(G, N, K, split):
     for M in range(2, f8.ROW_MAX_ROWS + 1):
         assert f8.row_kernel_fits(M, G, N, K, w)
         assert torch.equal(f8._launch(x[:M], w, s, split=split), alone[:M]), M
-    for M in range(1, f8.ROW_MAX_ROWS + 1):  # the inputs broadcast in the words' layout: the same products, bits
-        assert torch.equal(f8._launch(x[:M], w, s, config={"BCAST": True}, split=split), alone[:M]), M
 
 
 def test_engine_with_fp8_linears_on_cuda_equals_its_dequantised_twin():

@@ -30,11 +30,6 @@ BLOCK_K = 512  # inputs per chunk at most (``block_k``): K must be whole chunks
 MIN_BLOCK_K = 32
 ROW_PROGRAMS = 256  # BLOCK_N halves from MAX_BLOCK_N (down to 4) until the outputs make at least this many programs
 MAX_BLOCK_N = 16
-# BCAST (an experiment, off; decode_floor.py --bf16-row-bcast): each row's inputs loaded for every output of the
-# tile in the words' layout (``_row_products``) instead of relaid through shared memory: compiled for sm_90
-# the loop has no barrier (4 before), 102 instructions against 125 at BLOCK_N 8 and 183 against 222 at 16 (the
-# head's), 56 / 96 registers against 88 / 158. The same products, the same bits. Not measured on a GPU yet
-BCAST = False
 MAX_ROWS = 4  # rows the kernel takes (an MTP verify step of one request has 1 + k); more go to F.linear
 
 
@@ -87,19 +82,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("ngi,goi->ngo", x, weight)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None, groups: int = 1,
-           bcast: bool | None = None) -> torch.Tensor:
+def launch(x: torch.Tensor, weight: torch.Tensor, bn: int | None = None, groups: int = 1) -> torch.Tensor:
     """The kernel on a ``usable`` product whatever its size; ``bn``: BLOCK_N (None: ``block_n``). ``groups``: x is
-    [M, groups, K] and weight [groups * N, K], group g's rows times its N rows of weight -> [M, groups, N].
-    ``bcast``: BCAST for this launch (None: the module's)."""
+    [M, groups, K] and weight [groups * N, K], group g's rows times its N rows of weight -> [M, groups, N]."""
     GN, K = weight.shape
     N = GN // groups
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     bn = bn or block_n(GN)
     _row_kernel[(triton.cdiv(N, bn), groups)](x.reshape(-1).contiguous(), weight.view(torch.int32), out, N, K,
                                               M=x.numel() // (K * groups), BLOCK_N=bn, BLOCK_K=block_k(K),
-                                              BCAST=BCAST if bcast is None else bcast, num_warps=4, num_stages=1,
-                                              **pdl.args())
+                                              num_warps=4, num_stages=1, **pdl.args())
     return out
 
 
@@ -110,24 +102,17 @@ if HAVE_TRITON:
     from .pdl import load_weight_and_enter
 
     @triton.jit
-    def _row_products(acc, x_row, lo, hi, BLOCK_N: tl.constexpr, BW: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BCAST: tl.constexpr):
+    def _row_products(acc, x_row, lo, hi, BW: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row's chunk: its inputs (at ``x_row``) split into even and odd runs times the weights they meet,
-        accumulated element-wise into ``acc``. BCAST: the inputs loaded for every output of the tile (from L1) in
-        the words' layout (16-byte loads of 8 inputs, 4 words a thread), not relaid through shared memory."""
-        if BCAST:
-            ks = tl.arange(0, BLOCK_K)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-            x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + ks).to(tl.float32), [BLOCK_N, BW, 2]))
-        else:
-            x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
-            x_even, x_odd = x_even[None, :], x_odd[None, :]
+        accumulated element-wise into ``acc``."""
+        x_even, x_odd = tl.split(tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2]))
+        x_even, x_odd = x_even[None, :], x_odd[None, :]
         acc += lo * x_even
         acc += hi * x_odd
         return acc
 
     @triton.jit
-    def _row_kernel(X, W, OUT, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BCAST: tl.constexpr, PDL: tl.constexpr):
+    def _row_kernel(X, W, OUT, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """OUT[m, g, n] = sum_k X[m, g, k] W[g N + n, k] for BLOCK_N outputs of group g (program axis 1; one group:
         X [M, K], OUT [M, N]) and the M (1 to MAX_ROWS) rows of X [M, G, K], W read as int32 words [G N, K / 2]
         (value 2i in the low half, 2i + 1 in the high half), each word's values serving
@@ -153,13 +138,13 @@ if HAVE_TRITON:
                           other=0)
             lo = (words << 16).to(tl.float32, bitcast=True)  # the even input's weight (bf16 bits as float32)
             hi = (words & -65536).to(tl.float32, bitcast=True)
-            acc0 = _row_products(acc0, X + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+            acc0 = _row_products(acc0, X + k0, lo, hi, BW, BLOCK_K)
             if M > 1:
-                acc1 = _row_products(acc1, X + G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+                acc1 = _row_products(acc1, X + G * K + k0, lo, hi, BW, BLOCK_K)
             if M > 2:
-                acc2 = _row_products(acc2, X + 2 * G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+                acc2 = _row_products(acc2, X + 2 * G * K + k0, lo, hi, BW, BLOCK_K)
             if M > 3:
-                acc3 = _row_products(acc3, X + 3 * G * K + k0, lo, hi, BLOCK_N, BW, BLOCK_K, BCAST)
+                acc3 = _row_products(acc3, X + 3 * G * K + k0, lo, hi, BW, BLOCK_K)
         tl.store(OUT + rn, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 1:
             tl.store(OUT + G * N + rn, tl.sum(acc1, axis=1).to(OUT.dtype.element_ty), mask=n_ok)

@@ -60,11 +60,7 @@ ROW_KERNEL = True
 # their split-K partials), against 1.34 ms for the one-row step's products (H100, profile_decode.py --mtp 1,
 # BENCHMARKS.md 27th session)
 ROW_MAX_ROWS = 4
-# BCAST (an experiment, off; decode_floor.py --fp8-row-bcast): each row's inputs loaded in the words' layout
-# (``_row_products``' BCAST) instead of relaid through shared memory with a barrier per strided run: compiled for
-# sm_90 at BLOCK_N 8, 146 / 199 / 305 loop instructions at 1 / 2 / 4 rows against 142 / 202 / 320, no barrier
-# against 8 a row, 64 / 80 / 126 registers against 56 / 96 / 149. Not measured on a GPU yet
-ROW_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "PREFETCH": True, "BCAST": False, "num_warps": 4, "num_stages": 1}
+ROW_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
 
 
 def row_kernel_fits(M: int, G: int, N: int, K: int, weight: torch.Tensor, block_k: int | None = None) -> bool:
@@ -218,7 +214,6 @@ def _launch_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg:
     _fp8_row_kernel[(triton.cdiv(N, BN), out.shape[0], G)](x, weight.view(torch.int32), scale, out, N, K, x.stride(0),
                                                    x.stride(1), scale.stride(0), k_per_split, M=M, BLOCK_N=BN,
                                                    BLOCK_K=BK, SB=BLOCK, PREFETCH=cfg["PREFETCH"],
-                                                   BCAST=cfg.get("BCAST", False),
                                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                                    **pdl.args())
     return _sum_partials(out, x.dtype)
@@ -282,42 +277,23 @@ if HAVE_TRITON:
         }""", "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
 
     @triton.jit
-    def _tile_rows(y, BCAST: tl.constexpr):
-        """``_row_products``' scaled inputs as the tile's rows take them: [BW] -> [1, BW] (with BCAST already
-        [BLOCK_N, BW])."""
-        if BCAST:
-            return y
-        else:
-            return y[None, :]
-
-    @triton.jit
-    def _row_products(acc, x_row, sc, o0, o1, o2, o3, BLOCK_N: tl.constexpr, BW: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BCAST: tl.constexpr):
+    def _row_products(acc, x_row, sc, o0, o1, o2, o3, BW: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row's chunk: its BLOCK_K inputs (at ``x_row``) split into 4 strided runs, each scaled by its block's
-        scale (exact), times the widened codes they meet, accumulated element-wise into ``acc``. BCAST: the
-        inputs loaded for each output of the tile (a [BLOCK_N, BLOCK_K] load of the same inputs, from L1) in the
-        layout the words take: compiled for sm_90 (with the words loaded 2 a thread) the loop has no shared-memory
-        relayout and no barrier, against 8 a row without. The same products, the same bits."""
-        if BCAST:
-            ks = tl.arange(0, BLOCK_K)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-            x = tl.reshape(tl.load(x_row + ks).to(tl.float32), [BLOCK_N, BW, 2, 2])
-            s = sc[None, :]
-        else:
-            x = tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
-            s = sc
+        scale (exact), times the widened codes they meet, accumulated element-wise into ``acc``."""
+        x = tl.reshape(tl.load(x_row + tl.arange(0, BLOCK_K)).to(tl.float32), [BW, 2, 2])
         x_even, x_odd = tl.split(x)  # inputs 4i + t: t % 2, then t // 2
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
-        acc += o0 * _tile_rows(x0 * s, BCAST)
-        acc += o1 * _tile_rows(x1 * s, BCAST)
-        acc += o2 * _tile_rows(x2 * s, BCAST)
-        acc += o3 * _tile_rows(x3 * s, BCAST)
+        acc += o0 * (x0 * sc)[None, :]
+        acc += o1 * (x1 * sc)[None, :]
+        acc += o2 * (x2 * sc)[None, :]
+        acc += o3 * (x3 * sc)[None, :]
         return acc
 
     @triton.jit
     def _fp8_row_kernel(X, W, S, OUT, N, K, stride_xm, stride_xg, stride_s, k_per_split, M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr,
-                        BCAST: tl.constexpr, PDL: tl.constexpr):
+                        PDL: tl.constexpr):
         # M (1 to ROW_MAX_ROWS) rows: W read as int32 words [G * N, K / 4]; each word's 4 widened codes times the
         # 4 inputs of each row they meet (``_row_products``), accumulated element-wise per word column in float32,
         # one accumulator a row, and summed over the columns once at the end. Each row's accumulator sees the
@@ -330,8 +306,6 @@ if HAVE_TRITON:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         i = tl.arange(0, BW)
-        if BCAST:  # words loaded 2 a thread (8 bytes): each lane then holds the codes of 8 consecutive inputs, as
-            i = tl.max_contiguous(i, 2)  # the inputs' 16-byte loads give them (``_row_products``' BCAST)
         w_rows = W + (g * N + rn).to(tl.int64)[:, None] * (K // 4)
         s_row = S + ((g * N + pid_n * BLOCK_N) // SB) * stride_s  # one block row (gemv_shape)
         x_rows = X + g * stride_xg
@@ -354,15 +328,13 @@ if HAVE_TRITON:
                 words = tl.load(w_rows + (k0 // 4 + i)[None, :], mask=n_ok[:, None], other=0)
             sc = tl.load(s_row + (k0 + 4 * i) // SB)
             o0, o1, o2, o3 = e4m3_word(words)
-            acc0 = _row_products(acc0, x_rows + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K, BCAST)
+            acc0 = _row_products(acc0, x_rows + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
             if M > 1:
-                acc1 = _row_products(acc1, x_rows + stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K, BCAST)
+                acc1 = _row_products(acc1, x_rows + stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
             if M > 2:
-                acc2 = _row_products(acc2, x_rows + 2 * stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K,
-                                     BCAST)
+                acc2 = _row_products(acc2, x_rows + 2 * stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
             if M > 3:
-                acc3 = _row_products(acc3, x_rows + 3 * stride_xm + k0, sc, o0, o1, o2, o3, BLOCK_N, BW, BLOCK_K,
-                                     BCAST)
+                acc3 = _row_products(acc3, x_rows + 3 * stride_xm + k0, sc, o0, o1, o2, o3, BW, BLOCK_K)
         dst = OUT + (split * M * G + g) * N + rn  # [S, M, G, N]: row r at dst + r * G * N
         tl.store(dst, tl.sum(acc0, axis=1).to(OUT.dtype.element_ty), mask=n_ok)
         if M > 1:
