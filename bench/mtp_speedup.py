@@ -3,7 +3,8 @@ test-only drafter that replaces the MTP's drafts with the known greedy answer a 
 (``proposer.use_known_answers``: on the device, so MTP steps still overlap) shows what the mechanism buys at
 that acceptance. ``--sync`` adds each MTP row again with the overlap scheduler off, ``--separate`` with the
 separate CUDA graphs (target, MTP passes, acceptance eager between) instead of the whole-step graph, in the same
-run."""
+run. ``--pause on off`` runs each MTP row with the engine's drafting pause (``engine/spec_pause.py``, the
+default) and without it, in the same run: at zero acceptance the pause is what keeps MTP close to off."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from decode_floor import add_switches, apply_switches
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
 from dsv4.engine.proposer import use_known_answers
+from dsv4.engine.spec_pause import DraftPause
 
 
 @torch.no_grad()
@@ -67,6 +69,8 @@ def main():
                     help="also each k > 0 with the separate graphs instead of the whole-step graph")
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
+    ap.add_argument("--pause", nargs="+", default=["on"], choices=["on", "off"],
+                    help="each MTP row with the engine's drafting pause (on: its default policy) and/or without it")
     add_switches(ap)
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
@@ -90,13 +94,16 @@ def main():
         llm = LLM(args.preset, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None,
                   **common)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # untimed: compiles this run's kernels
+        policy = llm.engine.pause  # (--pause off: None for the row, restored after)
         for c in args.concurrency:
             batch = prompts[:c]
             drafters = [("MTP", None)] + ([] if k == 0 else [(f"oracle p={p}", p) for p in args.p_right])
-            modes = [(label, p, ov, whole) for label, p in drafters
+            modes = [(label, p, ov, whole, pause) for label, p in drafters
                      for ov in ((True, False) if k and args.sync else (True,))
-                     for whole in ((True, False) if k and args.separate else (True,))]
-            for label, p, overlap, whole in modes:
+                     for whole in ((True, False) if k and args.separate else (True,))
+                     for pause in (args.pause if k else ["-"])]
+            for label, p, overlap, whole, pause in modes:
+                llm.engine.pause = policy if pause == "on" else None
                 use_known_answers(llm.engine, ref[c] if p is not None else None, p or 0.0)
                 llm.engine.overlap_scheduler = overlap
                 if llm.engine.runner.graphs is not None:  # no name outlives ``del llm`` below: it holds the model
@@ -116,17 +123,23 @@ def main():
                        else _divergence_gap(ref_model, batch, [o for _, o in pairs], ref[c]))
                 st = llm.get_stats()["speculative"] or {}
                 speed = c * args.gen / t
+                paused = "-"
+                if isinstance(llm.engine.pause, DraftPause):  # (its counts since reset_stats: every timed run)
+                    ps = llm.engine.pause.as_dict()
+                    paused = f"{ps['num_paused_steps']} / {llm.engine.num_steps}"
                 rows.append([c, k, label if k else "off", "on" if overlap else "off",
-                             ("whole" if whole else "separate") if k else "-", speed,
+                             ("whole" if whole else "separate") if k else "-", pause, paused, speed,
                              f"{speed / off_speed[c]:.2f}x",
                              f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                              f"{same:.3f}", first, gap])
         use_known_answers(llm.engine, None)
+        llm.engine.pause = policy
         del llm  # before the next model is built: a model of Flash's depth fits once
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    text = table(["concurrency", "k", "drafts", "overlap", "step graph", "output tok/s", "vs off", "acceptance",
+    text = table(["concurrency", "k", "drafts", "overlap", "step graph", "drafting pause",
+                  "paused steps / steps", "output tok/s", "vs off", "acceptance",
                   "mean accepted len",
                   "tokens identical to MTP off", "first divergence",
                   "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))

@@ -79,11 +79,11 @@ def verify_path(monkeypatch):
             state["on_device" if ok else "on_host"] += 1
         return ok
 
-    def launch_mtp(self, seqs, plan, target):
+    def launch_mtp(self, seqs, plan, target, drafting):
         if any(s.drafts for s in seqs):
             state["on_device"] += 1
             state["overlapped"] += 1
-        return real_launch(self, seqs, plan, target)
+        return real_launch(self, seqs, plan, target, drafting)
 
     monkeypatch.setattr(LLMEngine, "_verifies_on_device", verifies_on_device)
     monkeypatch.setattr(LLMEngine, "_launch_mtp", launch_mtp)

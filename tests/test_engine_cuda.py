@@ -145,6 +145,30 @@ def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
     assert out == dense_greedy(llm.model, prompts, 16)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_paused_drafting_on_captured_graphs_equals_dense_reference(overlap):
+    """fp32, CUDA graphs captured, the keep-up runner's buckets (one row a request: the target pass and the MTP
+    catch-up pass without the head) in the same pool as the verify buckets: drafting paused after each rejected
+    draft and probed every third step, so steps move between both runners; warmup ran the paused path. Tokens
+    equal the dense reference; the keep-up graphs replayed."""
+    from dsv4 import SamplingParams
+    from dsv4.engine.spec_pause import DraftPause
+
+    rng = random.Random(21)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
+    llm = _engine("tiny", speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+                  cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]},
+                  disable_overlap_scheduler=not overlap)
+    assert any(n.startswith("MTP with drafting paused") for n in llm.warmup_paths)
+    keep = llm.engine.runner.keep_graphs
+    assert keep is not None and keep.capture and keep.num_replays > 0  # (warmup)
+    n = keep.num_replays
+    llm.engine.pause = DraftPause(1.0, window=1, probe_every=3)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    assert keep.num_replays > n and llm.engine.pause.num_pauses > 0
+    assert out == dense_greedy(llm.model, prompts, 16)
+
+
 def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
     """fp32, CUDA graphs on: the overlap scheduler (inputs taken from the device, copies that do not wait)
     gives the tokens and finish reasons of the same engine with it off, with stop tokens that end requests

@@ -20,8 +20,11 @@ def _llm(overlap: bool, k: int, **kw):
     kw.setdefault("max_num_tokens", 48)  # prompts over 48 tokens prefill in chunks
     kw.setdefault("max_seq_len", 256)
     kw.setdefault("kv_cache_config", {"max_tokens": 4096})
+    # (drafting never paused: overlapped and synchronous runs read acceptance back at different steps, so a pause
+    # would start at different steps and their acceptance counts differ; tests/test_spec_pause.py pauses)
     return LLM("tiny", warmup=False, disable_overlap_scheduler=not overlap,
-               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k}, **kw)
+               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k,
+                                   "pause_below_acceptance": 0}, **kw)
 
 
 def _workload(n: int, seed: int):
@@ -290,6 +293,6 @@ def test_warmup_runs_whole_step_graphs_and_a_sampled_mtp_step(monkeypatch):
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
-    assert len(llm.warmup_paths) == 3
+    assert len(llm.warmup_paths) == 4  # (the last: drafting paused, tests/test_spec_pause.py)
     assert llm.engine.runner.graphs.num_whole_steps > 0 and calls
     assert not llm.engine.requests and llm.engine.cache.num_free_slots == llm.engine.cache.num_slots

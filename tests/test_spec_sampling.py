@@ -58,7 +58,8 @@ def sampled_marginals(model_dir, path: str, verify_path):
     verify_path["device"] = path == "device"
     llm = LLM(model_dir, max_batch_size=128, max_num_tokens=1024, max_seq_len=64, warmup=False,
               kv_cache_config={"max_tokens": 16384},
-              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2,
+                                  "pause_below_acceptance": 0})  # (every step verifies drafts)
     outs = llm.generate([PROMPT] * N_REQ, [SamplingParams(max_tokens=3, temperature=TEMP, seed=i, ignore_eos=True)
                                            for i in range(N_REQ)])
     assert verify_path["on_" + path] > 0 and verify_path["on_host" if path == "device" else "on_device"] == 0

@@ -287,6 +287,11 @@ def format_report(rep: dict) -> str:
                       ", ".join(f"{j + 1}: {a:.4f}" for j, a in enumerate(s["per_position_acceptance"])) or "n/a"))
         L.append(_row("Verify steps / draft tokens / accepted",
                       f"{s['num_verify_steps']} / {s['num_draft_tokens']} / {s['num_accepted_tokens']}"))
+        pause = s.get("pause")
+        L.append(_row("Drafting paused (steps / pauses / resumes)",
+                      "never (pause_below_acceptance 0)" if pause is None else
+                      f"{pause['num_paused_steps']} / {pause['num_pauses']} / {pause['num_resumes']}"
+                      f" (below {pause['below']} acceptance)"))
     if rep["notes"]:
         L += _banner("NOTES")
         L += [f"- {n}" for n in rep["notes"]]

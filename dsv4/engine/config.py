@@ -47,6 +47,10 @@ class SpeculativeConfig:
     decoding_type: str = "MTP"
     num_nextn_predict_layers: int = 1  # draft tokens per step (DeepSeek-V4's one MTP layer is reused)
     max_draft_len: int | None = None  # alias used by newer TensorRT-LLM releases
+    # drafting paused while fewer of the last drafts than this are accepted (0: never), a probe step every
+    # pause_probe_interval paused steps (engine/spec_pause.py): speculation that does not pay costs little
+    pause_below_acceptance: float = 0.3
+    pause_probe_interval: int = 32
 
     def __post_init__(self):
         if self.decoding_type.upper() != "MTP":
@@ -58,6 +62,12 @@ class SpeculativeConfig:
             raise EngineConfigError(f"speculative_config: {self.draft_len} draft tokens per step; at most"
                                     f" {MAX_DRAFT_LEN} (DeepSeek-V4's one MTP layer is chained once per draft"
                                     " token and its drafts are rarely accepted past 3 or 4)")
+        if not 0 <= self.pause_below_acceptance <= 1:
+            raise EngineConfigError(f"speculative_config.pause_below_acceptance {self.pause_below_acceptance}:"
+                                    " an acceptance rate in [0, 1] (0 never pauses drafting)")
+        if self.pause_probe_interval < 1:
+            raise EngineConfigError(f"speculative_config.pause_probe_interval {self.pause_probe_interval}: the"
+                                    " paused steps between two probes, >= 1")
 
     @property
     def draft_len(self) -> int:

@@ -28,6 +28,7 @@ from .runner import LaunchedStep, ModelRunner, TargetOutput
 from .sampler import StepLogprobs, greedy_tokens, make_generator, probs_from_logits, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
+from .spec_pause import DraftPause
 from .spec import (DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled,
                    verdict_of_step_graph)
 
@@ -69,6 +70,11 @@ class LLMEngine:
         self.proposer: Proposer | None = proposer or (MtpProposer(self.runner, self.draft_len)
                                                       if self.draft_len else None)
         self.spec_stats = SpecStats()
+        # drafting paused while it does not pay (spec_pause.py; the single-device runner's keep-up passes)
+        spec = engine_cfg.speculative_config
+        self.pause = (DraftPause(spec.pause_below_acceptance, probe_every=spec.pause_probe_interval)
+                      if self.draft_len and spec.pause_below_acceptance > 0 and self.runner.pauses_drafting
+                      else None)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -134,15 +140,17 @@ class LLMEngine:
                               "num_free_blocks": self.cache.num_free_blocks}
             return early + self._settle(*done)
         mtp = self.draft_len > 0
+        drafting = mtp and self._drafts_now(seqs)  # this step's requests propose drafts for the next
         plan = self.cache.begin_step(
-            [SeqStep(s.request.request_id, s.num_new, self.draft_len if (mtp and s.sample) else 0) for s in seqs],
+            [SeqStep(s.request.request_id, s.num_new, self.draft_len if (drafting and s.sample) else 0)
+             for s in seqs],
             device=self.device, shift=self._shift(seqs, prev), **self.runner.padding_for(seqs))
         done: tuple[list, list] = ([], [])
         launched, committed = None, False
         try:
-            target = self.runner.forward(seqs, plan, prev, whole_step=self._whole_step(seqs, plan))
+            target = self.runner.forward(seqs, plan, prev, whole_step=drafting and self._whole_step(seqs, plan))
             if self._overlaps(seqs):
-                launched = self._launch_mtp(seqs, plan, target) if mtp else self._launch(seqs, target)
+                launched = self._launch_mtp(seqs, plan, target, drafting) if mtp else self._launch(seqs, target)
                 # the rows every outcome keeps (an MTP step's accepted drafts settle when they are read back)
                 accepted, emitted = [s.num_new - len(s.drafts) for s in seqs], [[] for _ in seqs]
                 self._commit(plan, seqs, accepted, [len(s.drafts) for s in seqs])
@@ -150,7 +158,7 @@ class LLMEngine:
             if prev is not None:
                 done, prev = self._resolve(prev), None
             if launched is None:
-                accepted, emitted = self._run(seqs, plan, target, mtp)
+                accepted, emitted = self._run(seqs, plan, target, mtp, drafting)
         except BaseException:
             # the step's rows may be half written: the cache frees its requests; they end with an error, and
             # so do those of an overlapped step whose tokens were not read back
@@ -199,6 +207,16 @@ class LLMEngine:
             if new or ended:
                 outs.append(self._output(req))
         return outs
+
+    def _drafts_now(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether this MTP step's requests draft (``DraftPause``: not while drafting does not pay; a step that
+        samples nothing proposes nothing and is not counted)."""
+        return self.pause is None or not any(s.sample for s in seqs) or self.pause.drafts_now()
+
+    def _record(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_stats.record(num_drafts, num_accepted)
+        if self.pause is not None:
+            self.pause.record(num_drafts, num_accepted)
 
     # ---- the overlap scheduler ----------------------------------------------------------------------
     @property
@@ -262,20 +280,23 @@ class LLMEngine:
         shift[t[:len(pairs)]] = prev.mtp.verdict.accepted_drafts[t[len(pairs):]]
         return shift
 
-    def _launch_mtp(self, seqs: list[ScheduledSeq], plan, target: TargetOutput) -> LaunchedStep:
+    def _launch_mtp(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, drafting: bool) -> LaunchedStep:
         """An MTP step left on the device: acceptance (``spec.accept_on_device``, the drafts read from the
-        step's own inputs), the proposer's drafts from it, and the next step's inputs (the token after the
-        accepted drafts, then the new drafts), all queued for the host, which reads them in the next call."""
+        step's own inputs), the proposer's drafts from it (none while drafting is paused), and the next step's
+        inputs (the token after the accepted drafts, then the new drafts), all queued for the host, which reads
+        them in the next call."""
         rows = target.all_rows()
         verdict = self._verdict(seqs, target)
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
-        proposals = self.proposer.propose_on_device(seqs, plan, target, verdict)
+        proposals = self.proposer.propose_on_device(seqs, plan, target, verdict,
+                                                    [s.sample and drafting for s in seqs])
         sampled = [b for b, s in enumerate(seqs) if s.sample]
         bonus = verdict.last_ids
         drafts = proposals.drafts
-        if drafts.active != tuple(sampled):
-            raise RuntimeError(f"the proposer drafted for seqs {drafts.active}, the step samples {sampled}")
+        if drafts.active != (tuple(sampled) if drafting else ()):
+            raise RuntimeError(f"the proposer drafted for seqs {drafts.active}, the step samples {sampled}"
+                               f" ({'drafting' if drafting else 'drafting paused'})")
         inputs = torch.cat([bonus[:, None], drafts.tokens], 1) if drafts.tokens is not None else bonus[:, None]
         for b in sampled:
             req = seqs[b].request
@@ -322,7 +343,7 @@ class LLMEngine:
                         req.drafts = proposed[b]  # (what its next step verifies, if that runs on the host)
                 toks = self._verdict_tokens(s, ids[b], kept[b], checked[b])
                 if not req.finished and req.finish_reason is None:
-                    self.spec_stats.record(len(s.drafts), len(toks) - 1)
+                    self._record(len(s.drafts), len(toks) - 1)
                     lp = row_logprobs[b]
                     new = req.append(toks, None if lp is None else lp[:len(toks)])
                     if req.num_preemptions == m.epochs[b] and s.drafts:  # (0 extra rows settle too)
@@ -332,13 +353,13 @@ class LLMEngine:
         self.cache.settle(m.plan, extras)
         return step.seqs, emitted
 
-    def _run(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,
-             mtp: bool) -> tuple[list[int], list[list[int]]]:
-        """Verify/sample the target's logits, MTP proposal. Returns accepted counts and emitted tokens. A
-        request that ended while this step ran (a stop token read back from the overlapped step before)
-        emits nothing."""
+    def _run(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, mtp: bool,
+             drafting: bool) -> tuple[list[int], list[list[int]]]:
+        """Verify/sample the target's logits, MTP proposal (``drafting``: drafts for the next step, else the MTP
+        layer's catch-up pass only). Returns accepted counts and emitted tokens. A request that ended while this
+        step ran (a stop token read back from the overlapped step before) emits nothing."""
         if mtp and self._verifies_on_device(seqs):
-            return self._run_on_device(seqs, plan, target)
+            return self._run_on_device(seqs, plan, target, drafting)
         greedy = self._greedy_ids([lg if s.sample and s.request.params.greedy else None
                                    for s, lg in zip(seqs, target.logits)], target)
         chosen: list[list[int] | None] = []  # per seq: the tokens it emits (None: none)
@@ -358,8 +379,8 @@ class LLMEngine:
             self._accept(s, toks, lp, accepted, emitted)
 
         if mtp:
-            drafting = [s.sample and s.request.finish_reason is None for s in seqs]
-            self._adopt(seqs, self.proposer.propose(seqs, plan, target, accepted, drafting))
+            drafts = [drafting and s.sample and s.request.finish_reason is None for s in seqs]
+            self._adopt(seqs, self.proposer.propose(seqs, plan, target, accepted, drafts))
         return accepted, emitted
 
     def _verifies_on_device(self, seqs: list[ScheduledSeq]) -> bool:
@@ -368,7 +389,7 @@ class LLMEngine:
         return (self.proposer.drafts_from_device and any(s.sample for s in seqs)
                 and all(s.request.finish_reason is None for s in seqs if s.sample))
 
-    def _run_on_device(self, seqs: list[ScheduledSeq], plan, target: TargetOutput):
+    def _run_on_device(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, drafting: bool):
         """The MTP step with one host read: acceptance on the device (greedy, or rejection sampling with each
         request's generator), the proposer's passes launched from it, then the emitted tokens and accepted
         counts read back (queued before the passes, so the read waits for nothing more than the drafts' own
@@ -378,7 +399,7 @@ class LLMEngine:
         # the logprobs of every verify row's argmax, queued before the drafts; the accepted rows' are kept
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
-        proposals = self.proposer.propose(seqs, plan, target, verdict, [s.sample for s in seqs])
+        proposals = self.proposer.propose(seqs, plan, target, verdict, [s.sample and drafting for s in seqs])
         ids, kept, checked = verdict.read_all()
         row_logprobs = logprobs.read() if logprobs is not None else [None] * len(seqs)
         accepted, emitted = [], []
@@ -411,7 +432,7 @@ class LLMEngine:
                 emitted: list[list[int]]) -> None:
         """Record a verified seq: ``toks`` its accepted drafts plus the target's token after them (``logprobs``
         theirs, when the request asks)."""
-        self.spec_stats.record(len(s.drafts), len(toks) - 1)
+        self._record(len(s.drafts), len(toks) - 1)
         accepted.append(s.num_new - len(s.drafts) + len(toks) - 1)
         emitted.append(s.request.append(toks, logprobs))
 
@@ -430,10 +451,12 @@ class LLMEngine:
         return StepLogprobs.launch(torch.cat(blocks), tokens, rows_per_seq, top_n).read()
 
     def _adopt(self, seqs: list[ScheduledSeq], proposals) -> None:
-        """The proposals become the drafts of the requests still running (after this step's tokens)."""
+        """The proposals become the drafts of the requests still running (after this step's tokens); one
+        without a proposal (drafting paused) verifies none next."""
         for s, p in zip(seqs, proposals):
-            if p is not None and s.request.finish_reason is None:
-                s.request.drafts, s.request.draft_probs = self.proposer.drafts(s.request, p), p.probs
+            if s.request.finish_reason is None:
+                s.request.drafts, s.request.draft_probs = ((self.proposer.drafts(s.request, p), p.probs)
+                                                           if p is not None else ([], None))
 
     @staticmethod
     def _greedy_ids(logits: list[torch.Tensor | None], target: TargetOutput) -> list[list[int] | None]:
@@ -469,6 +492,8 @@ class LLMEngine:
     def reset_stats(self):
         """Start the step, preemption and speculation counters afresh (after warmup, or between runs)."""
         self.spec_stats = SpecStats()
+        if self.pause is not None:
+            self.pause.reset()
         self.num_steps = 0
         self.scheduler.reset_stats()
 
@@ -478,7 +503,9 @@ class LLMEngine:
         statuses = [r.status for r in self.requests.values()]
         cache = self.cache
         return {"num_steps": self.num_steps, "num_preemptions": self.scheduler.num_preemptions,
-                "speculative": self.spec_stats.as_dict() if self.draft_len else None,
+                "speculative": ({**self.spec_stats.as_dict(),
+                                 "pause": None if self.pause is None else self.pause.as_dict()}
+                                if self.draft_len else None),
                 "num_running": statuses.count(Status.RUNNING), "num_waiting": statuses.count(Status.WAITING),
                 "kv_cache_usage": {"num_blocks": cache.num_blocks,
                                    "used_blocks": cache.num_blocks - cache.num_free_blocks,

@@ -95,11 +95,16 @@ class _Bucket:
     step_out: StepGraphOut | None = None  # the whole-step graph's outputs
     ran: list = field(default_factory=list)  # the graphs that step has run, in order
     prefill: bool = False  # a prefill bucket: one request, up to shape.tokens tokens, streams only
+    keep_out: torch.Tensor | None = None  # the keep-up pass's streams (a keep-up runner's buckets)
 
 
 class GraphRunner:
-    def __init__(self, model, storage, spec: GraphSpec, capture: bool, whole_step: bool = True):
+    def __init__(self, model, storage, spec: GraphSpec, capture: bool, whole_step: bool = True,
+                 keep_up: bool = False):
+        """``keep_up``: also the MTP catch-up pass without the head (``keep``), for the steps whose drafting
+        is paused (a runner of one row per request beside the main one, see ``build_graphs``)."""
         self.model, self.storage = model, storage
+        self.keep_up = keep_up
         self.rows, self.enable_padding = spec.rows_per_seq, spec.enable_padding
         self.buckets = sorted(spec.buckets)
         self.max_entries, self.max_blocks = spec.max_entries, spec.max_blocks
@@ -193,6 +198,9 @@ class GraphRunner:
     def _mtp(self, bk: _Bucket):
         return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids, bk.prefill)
 
+    def _keep(self, bk: _Bucket):
+        return self.model.mtp_streams(bk.target_out[0], bk.next_ids, self._backend(bk.tables))
+
     def _draft_pass(self, t, j: int, new_lens, X_in, ids):
         """Draft step j >= 2 on the tables ``t`` of the step: one token per request, its tables computed on the
         device from ``new_lens``."""
@@ -263,6 +271,8 @@ class GraphRunner:
                 steps.append(("mtp", lambda: self._mtp(bk), "mtp_out"))
                 for j in range(2, self.draft_len + 1):
                     steps.append((f"draft{j}", (lambda j=j: self._draft(bk, j)), j))
+                if self.keep_up:
+                    steps.append(("keep", lambda: self._keep(bk), "keep_out"))
             if self.whole_step and not bk.prefill:
                 steps.append(("step", lambda: self._step(bk), "step_out"))
             for name, fn, slot in steps:  # eager first: the static outputs exist, kernels are loaded
@@ -346,6 +356,16 @@ class GraphRunner:
         return bk.mtp_out
 
     @torch.no_grad()
+    def keep(self, plan, next_ids: torch.Tensor) -> torch.Tensor:
+        """The MTP catch-up pass of the same step without the head (its streams): drafting paused."""
+        bk = self._after(plan, "keep", "target")
+        bk.next_ids.copy_(next_ids)
+        out = self._run(bk, "keep", lambda: self._keep(bk))
+        if out is not None:
+            bk.keep_out = out
+        return bk.keep_out
+
+    @torch.no_grad()
     def draft(self, plan, j: int, new_lens: torch.Tensor, ids: torch.Tensor, X_in: torch.Tensor | None = None):
         """Draft step j of the same step: (streams [B, n, d], logits [B, V]). X_in feeds step 2."""
         bk = self._after(plan, f"draft{j}", "mtp" if j == 2 else f"draft{j - 1}")
@@ -381,11 +401,18 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
     if spec is None or not runner.use_kernels:
         return None
     # (the whole-step graph only where acceptance stays on the device: not on the multi-rank driver or its ranks)
-    runner.graphs = GraphRunner(runner.model, runner.storage, spec,
-                                capture=capture and runner.storage.device.type == "cuda",
+    capture = capture and runner.storage.device.type == "cuda"
+    runner.graphs = GraphRunner(runner.model, runner.storage, spec, capture=capture,
                                 whole_step=runner.whole_step_graphs)
     with runner.pass_context():  # captured under the same GEMM row counts as the eager passes
         runner.graphs.prepare()
+        if spec.keep_up and spec.with_mtp and runner.pauses_drafting:
+            # one row per request (the steps whose drafting is paused, and their probes), in the same pool
+            keep = GraphRunner(runner.model, runner.storage, replace(spec, rows_per_seq=1, prefill_tokens=()),
+                               capture=capture, whole_step=False, keep_up=True)
+            keep.pool = runner.graphs.pool
+            keep.prepare()
+            runner.keep_graphs = keep
     return runner.graphs
 
 

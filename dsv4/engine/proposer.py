@@ -79,8 +79,9 @@ class Proposer:
         """The drafts ``request`` carries into its next step; called once the step's tokens are appended."""
         return list(proposal.tokens)
 
-    def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
-        """The drafts of every seq that samples, from a ``DeviceVerdict``, left on the device (``overlaps``)."""
+    def propose_on_device(self, seqs, plan, target, verdict, drafting: list[bool]) -> DeviceProposals:
+        """The drafts of every seq with ``drafting`` set (every seq that samples, or none while the engine's
+        drafting is paused), from a ``DeviceVerdict``, left on the device (``overlaps``)."""
         raise NotImplementedError(f"{type(self).__name__} drafts on the host only (overlaps = False)")
 
 
@@ -108,10 +109,10 @@ class MtpProposer(Proposer):
         tokens = drafts.tolist()
         return [Proposal(tuple(tokens[b]), probs.get(b)) if drafting[b] else None for b in range(len(seqs))]
 
-    def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
+    def propose_on_device(self, seqs, plan, target, verdict, drafting) -> DeviceProposals:
         if target.step is not None:
             return self._from_step_graph(seqs, target)
-        drafts, probs = self._draft(seqs, plan, target, verdict, [s.sample for s in seqs])
+        drafts, probs = self._draft(seqs, plan, target, verdict, drafting)
         return DeviceProposals.of(drafts, probs)
 
     def _from_step_graph(self, seqs, target) -> DeviceProposals:
@@ -207,8 +208,8 @@ class KnownAnswerProposer(Proposer):
                 out.append(d)
         return out
 
-    def propose_on_device(self, seqs, plan, target, verdict) -> DeviceProposals:
-        p = self.inner.propose_on_device(seqs, plan, target, verdict)
+    def propose_on_device(self, seqs, plan, target, verdict, drafting) -> DeviceProposals:
+        p = self.inner.propose_on_device(seqs, plan, target, verdict, drafting)
         d = p.drafts
         if d.tokens is None:
             return p

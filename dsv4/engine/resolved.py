@@ -61,6 +61,9 @@ class GraphSpec:
     draft_len: int
     # token counts of the one-request prefill graphs (each > rows_per_seq; () on several devices)
     prefill_tokens: tuple[int, ...] = ()
+    # with MTP on one device: buckets of one row per request too, for the steps whose drafting is paused
+    # (engine/spec_pause.py: the target pass and the MTP layer's catch-up pass without the head) and the probes
+    keep_up: bool = False
 
     @property
     def with_mtp(self) -> bool:
@@ -152,15 +155,21 @@ def _graph_spec(cfg: EngineConfig, model_cfg: ModelConfig, layout: CacheLayout, 
     k = cfg.draft_len
     ratios = model_cfg.ratios
     max_entries = (max_seq_len + k) // min(ratios) + 1 if ratios else 1
+    spec = cfg.speculative_config
+    pauses = k > 0 and spec.pause_below_acceptance > 0 and _single_device(cfg)
     return GraphSpec(buckets, 1 + k, gcfg.enable_padding, max_entries, layout.num_blocks_for(max_seq_len + k), k,
-                     _prefill_tokens(cfg, gcfg, 1 + k))
+                     _prefill_tokens(cfg, gcfg, 1 + k), keep_up=pauses)
+
+
+def _single_device(cfg: EngineConfig) -> bool:
+    return (cfg.tensor_parallel_size, cfg.moe_expert_parallel_size, cfg.pipeline_parallel_size) == (1, 1, 1) \
+        and not cfg.enable_attention_dp
 
 
 def _prefill_tokens(cfg: EngineConfig, gcfg: CudaGraphConfig, rows_per_seq: int) -> tuple[int, ...]:
     """The prefill graphs' token counts: those given (or the defaults) above a decode step's rows and at most
     max_num_tokens. None on several devices (the ranks' graphs are the decode buckets only)."""
-    if (cfg.tensor_parallel_size, cfg.moe_expert_parallel_size, cfg.pipeline_parallel_size) != (1, 1, 1) \
-            or cfg.enable_attention_dp:
+    if not _single_device(cfg):
         return ()
     sizes = DEFAULT_PREFILL_TOKEN_SIZES if gcfg.prefill_token_sizes is None else gcfg.prefill_token_sizes
     return tuple(sorted({n for n in sizes if rows_per_seq < n <= cfg.max_num_tokens}))

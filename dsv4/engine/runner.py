@@ -208,6 +208,7 @@ class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
     drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
     whole_step_graphs = True  # with MTP, a graph bucket also captures the whole greedy step (graphs.StepGraphOut)
+    pauses_drafting = True  # the engine may pause MTP drafting (spec_pause.py): steps of one row, keep-up passes
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
                  batch_invariant: bool = False):
@@ -221,25 +222,36 @@ class ModelRunner:
         self.max_step_rows = 1 + storage.layout.max_draft_len  # the most rows a decode-like step adds
 
         self.graphs = None  # a GraphRunner once graphs are prepared (CUDA, not enforce_eager)
+        # with MTP, a GraphRunner of one row per request beside it: steps whose drafting is paused, probes
+        self.keep_graphs = None
 
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs (later steps would run eagerly; ``graphs`` keeps its buckets and counts)."""
-        if self.graphs is not None:
-            self.graphs.release()
+        for g in (self.keep_graphs, self.graphs):
+            if g is not None:
+                g.release()
 
     def padding_for(self, seqs: list[ScheduledSeq]) -> dict:
         """begin_step padding that makes the step replay a CUDA graph bucket (empty: run eagerly)."""
         if self.graphs is None:
             return {}
         num_new = [s.num_new for s in seqs]
-        bucket = self.graphs.bucket_for(len(seqs), num_new)
-        if bucket:
-            return self.graphs.padding(bucket)
+        for g in (self.graphs, self.keep_graphs):
+            bucket = g.bucket_for(len(seqs), num_new) if g is not None else None
+            if bucket:
+                return g.padding(bucket)
         tokens = self.graphs.prefill_bucket_for(len(seqs), num_new)
         return self.graphs.prefill_padding(tokens) if tokens else {}
 
+    def _graphs_of(self, plan):
+        """The GraphRunner with a bucket ``plan`` was built for (None: the step runs eagerly)."""
+        for g in (self.graphs, self.keep_graphs):
+            if g is not None and g.matches(plan):
+                return g
+        return None
+
     def _graphed(self, plan) -> bool:
-        return self.graphs is not None and self.graphs.matches(plan)
+        return self._graphs_of(plan) is not None
 
     def has_step_graph(self, plan) -> bool:
         """Whether ``plan``'s step can run as one graph: target pass, greedy acceptance and the MTP drafts
@@ -299,7 +311,7 @@ class ModelRunner:
             return out.streams, out.logits[:R], ids, out
         if graphed:
             self._check_graphed(plan)
-            X, all_logits = self.graphs.target(plan, ids)
+            X, all_logits = self._graphs_of(plan).target(plan, ids)
         else:
             X = self.model.streams(ids, self._backend(plan))
         logits = None
@@ -329,7 +341,7 @@ class ModelRunner:
         return ids, (None if not R else slice(0, R) if prefix else t[:R])
 
     def _check_graphed(self, plan):
-        if self.graphs is None or not self.graphs.matches(plan):
+        if self._graphs_of(plan) is None:
             raise RuntimeError(f"step {plan.step_id}: told to replay a CUDA graph but the plan (batch"
                                f" {plan.shape.batch}, {plan.shape.tokens} tokens) fits no bucket of"
                                f" {None if self.graphs is None else self.graphs.buckets}")
@@ -341,14 +353,19 @@ class ModelRunner:
             self._run_drafts(plan, X, inp, draft_len, any_active, pick, graphed)
 
     def _run_drafts(self, plan, X, inp, draft_len, any_active, pick, graphed) -> None:
-        """MTP catch-up pass, then (if any lane drafts) draft passes 2..draft_len. After pass j,
+        """MTP catch-up pass (without the head when no lane drafts and the bucket has that graph: drafting
+        paused), then (if any lane drafts) draft passes 2..draft_len. After pass j,
         ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
         logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1.
         ``graphed``: the plan's CUDA graphs (the target pass of the same step replayed them too)."""
         model = self.model
         next_ids = self._padded(inp.next_ids, plan.shape.tokens)
+        graphs = self._graphs_of(plan) if graphed else None
+        if graphs is not None and graphs.keep_up and not any_active:
+            graphs.keep(plan, next_ids)
+            return
         if graphed:
-            X_mtp, mtp_logits = self.graphs.mtp(plan, next_ids)
+            X_mtp, mtp_logits = graphs.mtp(plan, next_ids)
         else:
             X_mtp = model.mtp_streams(X, next_ids, self._backend(plan))
         if not any_active:
@@ -381,7 +398,7 @@ class ModelRunner:
                     row_toks[b] = t
                 ids = self._ids(row_toks, b_pad)
             if graphed:
-                X_prev, all_logits = self.graphs.draft(plan, j, new_lens, ids, X_prev if j == 2 else None)
+                X_prev, all_logits = graphs.draft(plan, j, new_lens, ids, X_prev if j == 2 else None)
             else:
                 tables = plan.draft.step_tables(j, new_lens)
                 X_prev, all_logits = model.mtp_streams(X_prev, ids, self._draft_backend(plan, tables)), None

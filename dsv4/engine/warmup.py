@@ -6,8 +6,11 @@ from __future__ import annotations
 import logging
 
 from .sampling_params import SamplingParams
+from .spec_pause import DraftPause
 
 log = logging.getLogger("dsv4")
+
+PAUSED = "MTP with drafting paused"  # the path run under a DraftPause that pauses at once and probes often
 
 
 class WarmupError(RuntimeError):
@@ -19,7 +22,8 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
     max_num_tokens, one request's prefill for each prefill graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
-    ``run_warmup``)."""
+    ``run_warmup``), and where the engine may pause drafting, the same batch with drafting paused (steps of one
+    row with the MTP layer's keep-up pass, probes, and the steps into and out of a pause)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
@@ -39,6 +43,11 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
         prompt = max(1, min(4, L - steps))
         paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",
                       [prompt] * batch, min(steps, L - prompt), True))
+        if engine.pause is not None:  # steps of one row with the keep-up pass, probes, and the steps between
+            steps = 8 + 2 * (engine.draft_len + 1)
+            prompt = max(1, min(4, L - steps))
+            paths.append((f"{PAUSED} (keep-up passes and probes, batch {batch})", [prompt] * batch,
+                          min(steps, L - prompt), False))
     return paths
 
 
@@ -49,6 +58,9 @@ def run_warmup(engine) -> list[str]:
     done = []
     for name, prompt_lens, max_tokens, with_sampled in warmup_paths(engine):
         ids = []
+        policy = engine.pause
+        if name.startswith(PAUSED):  # paused after the first rejected draft, a probe every third step
+            engine.pause = DraftPause(1.0, window=1, probe_every=3)
         try:
             params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in prompt_lens]
             if with_sampled:
@@ -65,6 +77,8 @@ def run_warmup(engine) -> list[str]:
             for rid in ids:
                 engine.abort_request(rid)
             raise WarmupError(f"warmup path '{name}' failed: {type(e).__name__}: {e}") from e
+        finally:
+            engine.pause = policy
         for rid in ids:
             engine.requests.pop(rid, None)
         done.append(name)

@@ -165,6 +165,7 @@ class LaneRunner(ModelRunner):
     one lane; an idle lane's inert plan runs the plain path unless the step replays a graph bucket."""
 
     whole_step_graphs = False  # the driver reads acceptance on the host: no rank (nor the driver) runs a whole step
+    pauses_drafting = False  # every rank runs the same passes: drafting is not paused on several devices
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device

@@ -1,0 +1,84 @@
+"""When drafting stops paying: the engine's MTP drafting paused while too few drafts are accepted.
+
+A verify step costs more than a decode step (its draft rows, the MTP layer's passes, the head read again per
+draft), so speculation is slower than none when the drafts are mostly rejected (a model whose MTP layer was not
+trained with it, text the MTP layer predicts badly). ``DraftPause`` watches the acceptance the engine reads back
+and, once the last ``window`` verified drafts were accepted less often than ``below``, pauses drafting: the
+engine's steps then propose nothing (one row per request, as with MTP off) and only keep the MTP layer's cache
+current (its catch-up pass over the step's rows, without the head), so that drafting can start again at any
+step. Every ``probe_every`` paused steps one step drafts again (a probe); the acceptance read back from probes
+resumes drafting when it reaches ``below``.
+
+The outputs do not depend on it (drafts change only how many tokens a step emits); it is plain host
+bookkeeping, one decision per step (``drafts_now``), fed by the engine's reads of each verdict (``record``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class DraftPause:
+    def __init__(self, below: float, window: int = 32, probe_every: int = 32):
+        if not 0 <= below <= 1:
+            raise ValueError(f"pause threshold {below}: an acceptance rate in [0, 1]")
+        if window < 1 or probe_every < 1:
+            raise ValueError(f"window {window} and probe_every {probe_every} must be >= 1")
+        self.below, self.window, self.probe_every = below, window, probe_every
+        self.reset()
+
+    def reset(self) -> None:
+        self.paused = False
+        self._recent: deque[tuple[int, int]] = deque()  # (drafts, accepted) per verified seq, newest last
+        self._drafts = self._accepted = 0  # their sums
+        self._since_probe = 0
+        self.num_pauses = self.num_resumes = self.num_paused_steps = 0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One request's verify read back: ``num_accepted`` of its ``num_drafts`` drafts accepted."""
+        if num_drafts <= 0:
+            return
+        self._recent.append((num_drafts, num_accepted))
+        self._drafts += num_drafts
+        self._accepted += num_accepted
+        if self.paused:
+            return  # (probes: judged once a step, in drafts_now)
+        while self._drafts - self._recent[0][0] >= self.window:
+            d, a = self._recent.popleft()
+            self._drafts -= d
+            self._accepted -= a
+
+    @property
+    def rate(self) -> float | None:
+        """The acceptance of the drafts held (None: none held)."""
+        return self._accepted / self._drafts if self._drafts else None
+
+    def _clear(self) -> None:
+        self._recent.clear()
+        self._drafts = self._accepted = 0
+
+    def drafts_now(self) -> bool:
+        """Whether this step's requests draft for the next step (called once per step that proposes)."""
+        if not self.paused:
+            if self._drafts >= self.window and self.rate < self.below:
+                self.paused, self._since_probe = True, 0
+                self.num_pauses += 1
+                self._clear()
+            else:
+                return True
+        elif self._drafts:  # probes read back since the last decision
+            if self.rate >= self.below:
+                self.paused = False
+                self.num_resumes += 1
+                return True
+            self._clear()
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            return True  # a probe
+        self.num_paused_steps += 1
+        return False
+
+    def as_dict(self) -> dict:
+        return {"paused": self.paused, "below": self.below, "num_pauses": self.num_pauses,
+                "num_resumes": self.num_resumes, "num_paused_steps": self.num_paused_steps}

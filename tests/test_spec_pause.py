@@ -1,0 +1,149 @@
+"""Drafting paused while it does not pay (``engine/spec_pause.py``): the policy's bookkeeping on its own, then
+the engine with pauses, probes and resumes forced often, against MTP off's greedy tokens (the known answers),
+overlapped or not, eager or on the CUDA graphs' static buffers (the keep-up runner's buckets), the cache's
+integrity checked after every step (conftest)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.config import EngineConfigError, SpeculativeConfig
+from dsv4.engine.proposer import use_known_answers
+from dsv4.engine.spec_pause import DraftPause
+
+
+def test_pauses_below_the_threshold_and_probes():
+    p = DraftPause(0.5, window=4, probe_every=3)
+    assert p.drafts_now()  # nothing read back yet
+    for _ in range(3):
+        p.record(1, 0)
+    assert p.drafts_now()  # 3 drafts: under the window
+    p.record(1, 1)  # 1 of 4 accepted
+    assert not p.drafts_now() and p.paused and p.num_pauses == 1
+    assert [p.drafts_now() for _ in range(6)] == [False, True, False, False, True, False]  # probes
+    p.record(2, 0)  # a probe rejected: still paused, its samples dropped
+    assert not p.drafts_now() and p.paused
+    p.record(2, 1)  # a probe at the threshold: resumes
+    assert p.drafts_now() and not p.paused and p.num_resumes == 1
+    assert p.rate == 0.5  # the probe stays in the window
+
+
+def test_the_window_slides_and_good_acceptance_never_pauses():
+    p = DraftPause(0.2, window=4, probe_every=2)
+    for i in range(40):
+        p.record(2, 1 if i % 3 else 0)  # a window (2 reads) holds 1 or 2 of its 4 drafts accepted
+        assert p.drafts_now()
+    assert p._drafts <= 4 + 2  # the oldest dropped once the rest hold a window
+    for _ in range(3):
+        p.record(2, 0)
+    assert not p.drafts_now()  # the last 4 drafts: none accepted
+    assert p.as_dict()["num_pauses"] == 1
+    p.reset()
+    assert not p.paused and p.rate is None and p.num_pauses == 0
+
+
+@pytest.mark.parametrize("kw", [{"pause_below_acceptance": 1.5}, {"pause_below_acceptance": -0.1},
+                                {"pause_probe_interval": 0}])
+def test_bad_pause_settings_are_refused(kw):
+    with pytest.raises(EngineConfigError, match="pause_"):
+        SpeculativeConfig(**kw)
+
+
+def _workload(n: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+    return prompts, [rng.randint(12, 40) for _ in range(n)]
+
+
+def _answers(prompts, lengths):
+    llm = LLM("tiny", warmup=False, max_batch_size=8, max_seq_len=256)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)}
+
+
+@pytest.mark.parametrize("overlap,graphs,k", [(True, False, 2), (False, False, 1), (True, True, 2),
+                                              (False, True, 3)])
+def test_pauses_probes_and_resumes_keep_mtp_off_tokens(overlap, graphs, k, monkeypatch):
+    """Drafts wrong until a third of the steps have run, then always right: drafting pauses (steps of one row,
+    the MTP layer's keep-up pass), probes, resumes; every token is MTP off's. On the graphs' static buffers the
+    paused steps replay the keep-up runner's buckets."""
+    if graphs:
+        monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    prompts, lengths = _workload(5, k)
+    ans = _answers(prompts, lengths)
+    kw = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4, 8]}} if graphs else {}
+    llm = LLM("tiny", warmup=False, max_batch_size=8, max_num_tokens=64, max_seq_len=256,
+              kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k}, **kw)
+    eng = llm.engine
+    assert eng.pause is not None and eng.pause.below == 0.3  # on by default
+    eng.pause = DraftPause(0.5, window=3, probe_every=3)
+    use_known_answers(eng, ans, 0.0, seed=1)
+    keep = eng.runner.keep_graphs
+    assert (keep is not None) == graphs
+    kept = []
+    if graphs:
+        real = keep.keep
+        keep.keep = lambda plan, ids: kept.append(plan.num_seqs) or real(plan, ids)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    rows, steps = [], 0
+    while eng.has_unfinished_requests():
+        if steps == 12:
+            eng.proposer.p_right = 1.0
+        eng.step()
+        steps += 1
+        rows.append(eng.last_step["num_tokens"])
+    for rid, p in zip(rids, prompts):
+        assert eng.requests[rid].output_ids == ans[tuple(p)]
+    st = eng.pause.as_dict()
+    assert st["num_pauses"] >= 1 and st["num_resumes"] >= 1 and st["num_paused_steps"] >= 2
+    spec = llm.get_stats()["speculative"]
+    assert spec["num_accepted_tokens"] > 0 and spec["pause"] == st
+    if graphs:
+        assert kept and keep.num_replays > 0 and eng.runner.graphs.num_replays > 0
+    cache = eng.cache
+    assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
+
+
+def test_paused_steps_are_decode_steps_of_one_row():
+    """With every draft wrong, drafting pauses: the steps between probes carry one row a request (as MTP off's),
+    and the probes' drafts are verified in the step after them."""
+    prompts, lengths = _workload(3, 7)
+    ans = _answers(prompts, lengths)
+    llm = LLM("tiny", warmup=False, max_batch_size=4, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    eng = llm.engine
+    eng.pause = DraftPause(0.5, window=2, probe_every=4)
+    use_known_answers(eng, ans, 0.0, seed=1)
+    for p, n in zip(prompts, lengths):
+        eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen.append((eng.last_step["num_seqs"], eng.last_step["num_tokens"]))
+    decode = [(b, t) for b, t in seen[4:] if b == 3]  # after the prompts
+    assert decode and sum(t == b for b, t in decode) > sum(t == 3 * b for b, t in decode)  # mostly one row
+    assert any(t == 3 * b for b, t in decode)  # a probe's drafts verified
+    assert eng.pause.num_pauses >= 1 and eng.pause.num_resumes == 0
+
+
+def test_warmup_runs_the_paused_path(monkeypatch):
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    assert any(n.startswith("MTP with drafting paused") for n in llm.warmup_paths)
+    eng = llm.engine
+    assert eng.runner.keep_graphs.num_replays > 0
+    assert isinstance(eng.pause, DraftPause) and eng.pause.below == 0.3 and not eng.pause.paused
+    assert not eng.requests and eng.cache.num_free_slots == eng.cache.num_slots
+
+
+def test_no_pause_when_switched_off():
+    llm = LLM("tiny", warmup=False, max_batch_size=2, max_seq_len=64, kv_cache_config={"max_tokens": 512},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1,
+                                  "pause_below_acceptance": 0})
+    assert llm.engine.pause is None and llm.get_stats()["speculative"]["pause"] is None
