@@ -1,6 +1,7 @@
 """Host work of a graphed decode / MTP step, counted on the CPU: the torch ops an engine step dispatches outside
 its CUDA-graph replays (each one a Python call and, on a GPU, most of them a launch or a copy), per step in steady
-state, MTP off vs k with the whole-step graph and with the separate graphs. Runs the graphs' static-buffer path on
+state, MTP off vs k with the whole-step graph, with the separate graphs, and with drafting paused (every step one
+row a request and the MTP layer's keep-up pass, ``engine/spec_pause.py``). Runs the graphs' static-buffer path on
 the CPU (``DSV4_STATIC_GRAPHS_ON_CPU``) on the ``tiny`` preset; a count, not a time.
 
     python3 bench/eager_ops.py [--ks 0 1 2 3 --batch 1 4]
@@ -20,6 +21,7 @@ from common import report, table  # noqa: E402
 
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.engine import graphs as graphs_mod  # noqa: E402
+from dsv4.engine.spec_pause import DraftPause  # noqa: E402
 
 
 class OpCount(TorchDispatchMode):
@@ -56,13 +58,15 @@ def main():
     rows = []
     for B in args.batch:
         for k in args.ks:
-            for whole in (True, False) if k else (True,):
+            for whole in (True, False, "paused") if k else (True,):
                 llm = LLM("tiny", warmup=False, max_batch_size=B, max_seq_len=512,
                           kv_cache_config={"max_tokens": 8192},
                           cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4, 8]},
                           speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
-                llm.engine.runner.graphs.whole_step = whole
+                llm.engine.runner.graphs.whole_step = whole is True
                 eng = llm.engine
+                if whole == "paused":  # paused at the first rejected draft (random weights), never probing
+                    eng.pause = DraftPause(1.0, window=1, probe_every=10 ** 9)
                 for i in range(B):
                     eng.add_request([5 + i, 6, 7, 8], SamplingParams(max_tokens=8 * args.steps, ignore_eos=True))
                 for _ in range(6):  # prefill and the first steps: not counted
@@ -73,7 +77,7 @@ def main():
                         eng.step()
                 per = {op: n / args.steps for op, n in mode.ops.items()}
                 top = ", ".join(f"{op} {n:g}" for op, n in sorted(per.items(), key=lambda x: -x[1])[:6])
-                rows.append([B, k or "off", ("whole" if whole else "separate") if k else "-",
+                rows.append([B, k or "off", ({True: "whole", False: "separate"}.get(whole, whole)) if k else "-",
                              f"{sum(per.values()):g}", top])
                 print(rows[-1], flush=True)
     report("Torch ops dispatched outside the graph replays per engine step (tiny, CPU static-graph path)",

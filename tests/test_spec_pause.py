@@ -69,7 +69,8 @@ def _answers(prompts, lengths):
 def test_pauses_probes_and_resumes_keep_mtp_off_tokens(overlap, graphs, k, monkeypatch):
     """Drafts wrong until a third of the steps have run, then always right: drafting pauses (steps of one row,
     the MTP layer's keep-up pass), probes, resumes; every token is MTP off's. On the graphs' static buffers the
-    paused steps replay the keep-up runner's buckets."""
+    paused steps replay the keep-up runner's buckets: its whole-step graph (overlapped), its separate target and
+    keep-up graphs (the synchronous run, its whole-step graph switched off)."""
     if graphs:
         monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
     prompts, lengths = _workload(5, k)
@@ -86,6 +87,7 @@ def test_pauses_probes_and_resumes_keep_mtp_off_tokens(overlap, graphs, k, monke
     assert (keep is not None) == graphs
     kept = []
     if graphs:
+        keep.whole_step = overlap
         real = keep.keep
         keep.keep = lambda plan, ids: kept.append(plan.num_seqs) or real(plan, ids)
     rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
@@ -103,7 +105,8 @@ def test_pauses_probes_and_resumes_keep_mtp_off_tokens(overlap, graphs, k, monke
     spec = llm.get_stats()["speculative"]
     assert spec["num_accepted_tokens"] > 0 and spec["pause"] == st
     if graphs:
-        assert kept and keep.num_replays > 0 and eng.runner.graphs.num_replays > 0
+        assert keep.num_replays > 0 and eng.runner.graphs.num_replays > 0
+        assert (keep.num_whole_steps > 0, bool(kept)) == (overlap, not overlap)
     cache = eng.cache
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
 
@@ -147,3 +150,32 @@ def test_no_pause_when_switched_off():
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1,
                                   "pause_below_acceptance": 0})
     assert llm.engine.pause is None and llm.get_stats()["speculative"]["pause"] is None
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_paused_whole_step_graph_equals_separate_graphs(overlap, monkeypatch):
+    """The keep-up runner's whole-step graph (target pass, argmax, the MTP layer's keep-up pass) against its
+    separate target and keep-up graphs, on the static buffers on the CPU, with the model's own drafts (random
+    weights: drafting pauses at once) and a probe every third step: the same tokens and the same drafts at every
+    step, so the probes' drafts read the same MTP cache rows the paused steps wrote."""
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    prompts, lengths = _workload(4, 11)
+    traces, whole_steps = [], []
+    for whole in (True, False):
+        llm = LLM("tiny", warmup=False, max_batch_size=4, max_num_tokens=64, max_seq_len=256,
+                  kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
+                  cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+        eng = llm.engine
+        eng.pause = DraftPause(1.0, window=1, probe_every=3)
+        keep = eng.runner.keep_graphs
+        keep.whole_step = whole
+        rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        trace = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids])
+        traces.append(trace)
+        whole_steps.append(keep.num_whole_steps)
+    assert whole_steps[0] > 3 and whole_steps[1] == 0
+    assert traces[0] == traces[1] and any(d for step in traces[0] for d, _ in step)

@@ -148,7 +148,7 @@ class LLMEngine:
         done: tuple[list, list] = ([], [])
         launched, committed = None, False
         try:
-            target = self.runner.forward(seqs, plan, prev, whole_step=drafting and self._whole_step(seqs, plan))
+            target = self.runner.forward(seqs, plan, prev, whole_step=self._whole_step(seqs, plan, drafting))
             if self._overlaps(seqs):
                 launched = self._launch_mtp(seqs, plan, target, drafting) if mtp else self._launch(seqs, target)
                 # the rows every outcome keeps (an MTP step's accepted drafts settle when they are read back)
@@ -231,13 +231,14 @@ class LLMEngine:
         """Leave this step's tokens on the device (a step that samples nothing has none)."""
         return self.overlaps_steps and any(s.sample for s in seqs)
 
-    def _whole_step(self, seqs: list[ScheduledSeq], plan) -> bool:
+    def _whole_step(self, seqs: list[ScheduledSeq], plan, drafting: bool) -> bool:
         """Run the step as one CUDA graph (target pass, acceptance, the MTP drafts): an MTP step whose verdict
         stays on the device, every seq sampling greedily with the full draft length, a proposer whose drafts
-        are the MTP layer's, a bucket with the graph."""
-        k = self.draft_len
-        return (k > 0 and self.proposer is not None and self.proposer.in_step_graph
-                and self.runner.has_step_graph(plan)
+        are the MTP layer's, a bucket with the graph. With drafting paused: every seq with no drafts, on a
+        keep-up bucket (its graph: the target pass and the MTP layer's keep-up pass)."""
+        k = self.draft_len if drafting else 0
+        return (self.draft_len > 0 and self.proposer is not None and self.proposer.in_step_graph
+                and self.runner.has_step_graph(plan, k)
                 and (self._overlaps(seqs) or self._verifies_on_device(seqs))
                 and all(s.sample and s.request.params.greedy and len(s.drafts) == k for s in seqs))
 

@@ -221,12 +221,18 @@ class GraphRunner:
         batch row verifies k drafts; the same kernels on the same shapes, so the same numbers): the target
         pass, each row's accepted drafts, the MTP catch-up pass over the accepted rows (later rows get input 0:
         their writes are rolled back), draft 1 from the row of each request's newest committed position,
-        draft passes 2..k. Padded batch rows (no drafts) feed zeros to the draft passes, as there."""
+        draft passes 2..k. Padded batch rows (no drafts) feed zeros to the draft passes, as there. A keep-up
+        runner's step (``step_drafts`` 0: drafting paused) verifies nothing and drafts nothing: its one row a
+        request emits the target's token, which feeds the MTP catch-up pass without the head (``keep``)."""
         tables, X, logits = self._forward(bk)
-        B, k = bk.batch, self.draft_len
+        B, k = bk.batch, self.step_drafts
         G = greedy_tokens(logits)
         a, last, checks = accept_uniform(G, bk.ids, B, k)
         inp = uniform_draft_inputs(G.view(-1, k + 1)[:B], a, tables.computed_lens)
+        if k == 0:
+            self.model.mtp_streams(X, inp.next_ids, self._backend(tables))
+            packed = torch.cat([G, 1 + a, checks.reshape(-1)])
+            return StepGraphOut(X, logits, G, a, 1 + a, last, G.new_zeros(B, 0), inp.new_lens, packed)
         X_mtp, mtp_logits = self._mtp_pass(tables, X, inp.next_ids)
         live = tables.draft_lens > 0
         tok = torch.where(live, greedy_tokens(mtp_logits[inp.picks]), 0)
@@ -324,6 +330,11 @@ class GraphRunner:
             bk.target_out = out
         return bk.target_out
 
+    @property
+    def step_drafts(self) -> int:
+        """The drafts each row of the whole-step graph verifies and proposes (0 in a keep-up runner)."""
+        return 0 if self.keep_up else self.draft_len
+
     def has_step(self, plan) -> bool:
         """Whether ``plan``'s bucket has a whole-step graph (``whole_step``; decode buckets only)."""
         return self.whole_step and self.matches(plan) and not self._bucket(plan).prefill
@@ -409,7 +420,7 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
         if spec.keep_up and spec.with_mtp and runner.pauses_drafting:
             # one row per request (the steps whose drafting is paused, and their probes), in the same pool
             keep = GraphRunner(runner.model, runner.storage, replace(spec, rows_per_seq=1, prefill_tokens=()),
-                               capture=capture, whole_step=False, keep_up=True)
+                               capture=capture, whole_step=runner.whole_step_graphs, keep_up=True)
             keep.pool = runner.graphs.pool
             keep.prepare()
             runner.keep_graphs = keep

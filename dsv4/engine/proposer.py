@@ -116,7 +116,10 @@ class MtpProposer(Proposer):
         return DeviceProposals.of(drafts, probs)
 
     def _from_step_graph(self, seqs, target) -> DeviceProposals:
-        """The drafts the step's graph computed (every seq samples greedily), read from its one host copy."""
+        """The drafts the step's graph computed (every seq samples greedily), read from its one host copy; none
+        from a keep-up bucket's step (drafting paused)."""
+        if target.step.drafts.shape[1] == 0:
+            return DeviceProposals(DraftTokens(len(seqs), (), None, target.step.new_lens[:len(seqs)]), {}, None)
         return DeviceProposals(self.runner.step_graph_drafts(target, len(seqs)), {},
                                target.step.drafts_host(len(seqs)))
 

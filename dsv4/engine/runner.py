@@ -253,10 +253,12 @@ class ModelRunner:
     def _graphed(self, plan) -> bool:
         return self._graphs_of(plan) is not None
 
-    def has_step_graph(self, plan) -> bool:
+    def has_step_graph(self, plan, drafts: int) -> bool:
         """Whether ``plan``'s step can run as one graph: target pass, greedy acceptance and the MTP drafts
-        (``forward(whole_step=True)``; every seq must sample greedily with the full draft length)."""
-        return self.graphs is not None and self.graphs.has_step(plan)
+        (``forward(whole_step=True)``; every seq must sample greedily, verifying and proposing ``drafts``: the
+        full draft length, or 0 on a keep-up bucket when drafting is paused)."""
+        g = self._graphs_of(plan)
+        return g is not None and g.has_step(plan) and g.step_drafts == drafts
 
     def _backend(self, plan):
         if not self.use_kernels:
@@ -307,7 +309,7 @@ class ModelRunner:
         if whole_step:
             if idx != slice(0, plan.num_tokens):
                 raise RuntimeError(f"step {plan.step_id}: a whole-step graph samples every row of the step")
-            out = self.graphs.step(plan, ids)
+            out = self._graphs_of(plan).step(plan, ids)
             return out.streams, out.logits[:R], ids, out
         if graphed:
             self._check_graphed(plan)
