@@ -148,7 +148,8 @@ def test_cuda_graphs_padded_buckets_equal_dense_reference(k):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_paused_drafting_on_captured_graphs_equals_dense_reference(overlap):
     """fp32, CUDA graphs captured, the keep-up runner's buckets (one row a request: the target pass and the MTP
-    catch-up pass without the head) in the same pool as the verify buckets: drafting paused after each rejected
+    catch-up pass without the head, alone or in the paused step's whole-step graph) in the same pool as the verify
+    buckets: drafting paused after each rejected
     draft and probed every third step, so steps move between both runners; warmup ran the paused path. Tokens
     equal the dense reference; the keep-up graphs replayed."""
     from dsv4 import SamplingParams
@@ -165,7 +166,7 @@ def test_paused_drafting_on_captured_graphs_equals_dense_reference(overlap):
     n = keep.num_replays
     llm.engine.pause = DraftPause(1.0, window=1, probe_every=3)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
-    assert keep.num_replays > n and llm.engine.pause.num_pauses > 0
+    assert keep.num_replays > n and keep.num_whole_steps > 0 and llm.engine.pause.num_pauses > 0
     assert out == dense_greedy(llm.model, prompts, 16)
 
 
