@@ -359,22 +359,20 @@ class GraphRunner:
     @torch.no_grad()
     def mtp(self, plan, next_ids: torch.Tensor):
         """The MTP catch-up pass of the same step (tables already loaded by ``target``)."""
-        bk = self._after(plan, "mtp", "target")
-        bk.next_ids.copy_(next_ids)
-        out = self._run(bk, "mtp", lambda: self._mtp(bk))
-        if out is not None:
-            bk.mtp_out = out
-        return bk.mtp_out
+        return self._catch_up(plan, next_ids, "mtp", self._mtp)
 
     @torch.no_grad()
     def keep(self, plan, next_ids: torch.Tensor) -> torch.Tensor:
         """The MTP catch-up pass of the same step without the head (its streams): drafting paused."""
-        bk = self._after(plan, "keep", "target")
+        return self._catch_up(plan, next_ids, "keep", self._keep)
+
+    def _catch_up(self, plan, next_ids, name: str, fn):
+        bk = self._after(plan, name, "target")
         bk.next_ids.copy_(next_ids)
-        out = self._run(bk, "keep", lambda: self._keep(bk))
+        out = self._run(bk, name, lambda: fn(bk))
         if out is not None:
-            bk.keep_out = out
-        return bk.keep_out
+            setattr(bk, f"{name}_out", out)
+        return getattr(bk, f"{name}_out")
 
     @torch.no_grad()
     def draft(self, plan, j: int, new_lens: torch.Tensor, ids: torch.Tensor, X_in: torch.Tensor | None = None):
