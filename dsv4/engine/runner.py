@@ -257,8 +257,8 @@ class ModelRunner:
         """Whether ``plan``'s step can run as one graph: target pass, greedy acceptance and the MTP drafts
         (``forward(whole_step=True)``; every seq must sample greedily, verifying and proposing ``drafts``: the
         full draft length, or 0 on a keep-up bucket when drafting is paused)."""
-        g = self._graphs_of(plan)
-        return g is not None and g.has_step(plan) and g.step_drafts == drafts
+        return any(g is not None and g.step_drafts == drafts and g.has_step(plan)
+                   for g in (self.graphs, self.keep_graphs))
 
     def _backend(self, plan):
         if not self.use_kernels:
