@@ -20,7 +20,7 @@ python3 -m dsv4.bench.cli --model flash-L4-E32 prepare-dataset --output /tmp/ds.
 grep -v "speculative_config\|decoding_type\|num_nextn" examples/mtp.yml > /tmp/nomtp.yml
 for cfg in examples/mtp.yml /tmp/nomtp.yml; do
   echo "== seed's command, $cfg"
-  timeout 120 python3 -m dsv4.bench.cli --model flash-L4-E32 --model_path flash-L4-E32 throughput \
+  timeout 90 python3 -m dsv4.bench.cli --model flash-L4-E32 --model_path flash-L4-E32 throughput \
     --tp 1 --ep 1 --dataset /tmp/ds.jsonl --max_batch_size 64 --max_num_tokens 8192 --concurrency 32 \
     --num_requests 64 --kv_cache_free_gpu_mem_fraction 0.8 --config $cfg --device cuda --no_progress \
     --report_json "$OUT/report_$(basename $cfg .yml).json" 2>&1 \
