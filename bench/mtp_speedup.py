@@ -132,6 +132,7 @@ def main():
                              f"{speed / off_speed[c]:.2f}x",
                              f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                              f"{same:.3f}", first, gap])
+                print(rows[-1], flush=True)  # (a run stopped part way keeps its rows)
         use_known_answers(llm.engine, None)
         llm.engine.pause = policy
         del llm  # before the next model is built: a model of Flash's depth fits once
