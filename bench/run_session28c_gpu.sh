@@ -3,14 +3,14 @@
 # (engine/spec_pause.py: drafting paused while fewer than 0.3 of the last 32 drafts are accepted, steps of one
 # row with the MTP layer's keep-up pass, a probe every 32 paused steps). Its CUDA test (the keep-up runner's
 # graphs captured beside the verify buckets); then MTP on vs off on the preset, flash-L43-E16 (Flash's
-# full depth, 16 experts, bf16), at concurrency 1 and 32, k = 1, zero acceptance and the oracle at 0.85, each MTP row with the pause and without; and the
+# full depth, 16 experts, bf16), at concurrency 1 and 32, k = 1, zero acceptance, each MTP row with the pause and without; and the
 # seed's command (dsv4-bench, 64 x 1024/128, concurrency 32, the seed's mtp.yml and the same without
 # speculative_config) on flash-L4-E32.
 set -u
 TESTS="tests/test_engine_cuda.py::test_paused_drafting_on_captured_graphs_equals_dense_reference" \
   TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
   TEST_TAIL=8 BENCH_TIMEOUT=${BENCH_TIMEOUT:-260} BENCH_TAIL=30 bash bench/device_call.sh \
-  "mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 --p-right 0.85 --repeat 2 --no-gap --gen 96 --pause on off"
+  "mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 --p-right --repeat 2 --no-gap --gen 96 --pause on off"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -m dsv4.bench.cli --model flash-L4-E32 prepare-dataset --output /tmp/ds.jsonl token-norm-dist \
