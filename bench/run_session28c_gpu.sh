@@ -10,7 +10,7 @@ set -u
 TESTS="tests/test_engine_cuda.py::test_paused_drafting_on_captured_graphs_equals_dense_reference" \
   TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
   TEST_TAIL=8 BENCH_TIMEOUT=${BENCH_TIMEOUT:-260} BENCH_TAIL=30 bash bench/device_call.sh \
-  "mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 --p-right --repeat 2 --no-gap --gen 96 --pause on off"
+  "mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 --p-right --repeat 3 --no-gap --gen 96 --pause on off"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -m dsv4.bench.cli --model flash-L4-E32 prepare-dataset --output /tmp/ds.jsonl token-norm-dist \
