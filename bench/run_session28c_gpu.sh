@@ -8,7 +8,7 @@
 # speculative_config) on flash-L4-E32.
 set -u
 TESTS="tests/test_engine_cuda.py::test_paused_drafting_on_captured_graphs_equals_dense_reference" \
-  TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
+  TEST_TIMEOUT=${TEST_TIMEOUT:-100} \
   TEST_TAIL=8 BENCH_TIMEOUT=${BENCH_TIMEOUT:-260} BENCH_TAIL=30 bash bench/device_call.sh \
   "mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 --p-right --repeat 3 --no-gap --gen 96 --pause on off"
 OUT=${OUT:-/tmp/out}
