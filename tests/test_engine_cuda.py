@@ -27,7 +27,8 @@ def _engine(model, **kw):
     from dsv4 import LLM
 
     kw.setdefault("kv_cache_config", {"max_tokens": 8192})
-    return LLM(model, device="cuda", dtype="fp32", max_batch_size=8, max_num_tokens=128, max_seq_len=512, **kw)
+    kw.setdefault("dtype", "fp32")
+    return LLM(model, device="cuda", max_batch_size=8, max_num_tokens=128, max_seq_len=512, **kw)
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -168,6 +169,40 @@ def test_paused_drafting_on_captured_graphs_equals_dense_reference(overlap):
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
     assert keep.num_replays > n and keep.num_whole_steps > 0 and llm.engine.pause.num_pauses > 0
     assert out == dense_greedy(llm.model, prompts, 16)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda(dtype, monkeypatch):
+    """CUDA graphs captured: the keep-up pass (the MTP layer's window rows only) against the whole MTP pass in
+    its place (patched before capture), through chunked prompts, paused steps and probes: every window row of
+    every layer after every step bit for bit, and the same tokens and drafts."""
+    from dsv4 import SamplingParams
+    from dsv4.engine.spec_pause import DraftPause
+    from dsv4.model.model import DeepseekV4
+
+    rng = random.Random(22)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (3, 40, 150, 9)]
+    runs = []
+    for whole_pass in (False, True):
+        if whole_pass:
+            monkeypatch.setattr(DeepseekV4, "mtp_keep_up",
+                                lambda self, X, ids, backend: self.mtp_streams(X, ids, backend))
+        llm = _engine("tiny", dtype=dtype, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+                      cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]})
+        eng = llm.engine
+        eng.pause = DraftPause(1.0, window=1, probe_every=3)
+        rids = [eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
+        trace = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids],
+                          [t.clone() for t in eng.storage.swa]))
+        runs.append(trace)
+        assert eng.pause.num_paused_steps > 3 and eng.runner.keep_graphs.num_replays > 0
+    assert len(runs[0]) == len(runs[1])
+    for (seen, rings), (seen_full, rings_full) in zip(*runs):
+        assert seen == seen_full
+        assert all(torch.equal(a, b) for a, b in zip(rings, rings_full))
 
 
 def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):

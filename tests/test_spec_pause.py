@@ -179,3 +179,43 @@ def test_paused_whole_step_graph_equals_separate_graphs(overlap, monkeypatch):
         whole_steps.append(keep.num_whole_steps)
     assert whole_steps[0] > 3 and whole_steps[1] == 0
     assert traces[0] == traces[1] and any(d for step in traces[0] for d, _ in step)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_keep_up_pass_stores_the_whole_passs_window_rows(graphs, monkeypatch):
+    """The keep-up pass (``DeepseekV4.mtp_keep_up``: the MTP layer's input projections, its attention's collapse,
+    kv projection and norm-rope, nothing after) against the whole MTP pass it stands for: through prompts
+    prefilled in chunks that sample nothing, paused steps and probes, every window row of every layer after every
+    step is the same bit for bit, and so are the tokens and the drafts. Eagerly, and on the graphs' static
+    buffers (the keep-up runner's buckets, its whole-step graph)."""
+    import torch
+
+    from dsv4.model.model import DeepseekV4
+
+    if graphs:
+        monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    prompts, lengths = _workload(4, 13)
+    prompts[0] = prompts[0] + [9] * 70  # prefilled in chunks of 32
+    kw = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}} if graphs else {}
+    runs = []
+    for whole_pass in (False, True):
+        if whole_pass:
+            monkeypatch.setattr(DeepseekV4, "mtp_keep_up",
+                                lambda self, X, ids, backend: self.mtp_streams(X, ids, backend))
+        llm = LLM("tiny", warmup=False, max_batch_size=4, max_num_tokens=32, max_seq_len=256,
+                  kv_cache_config={"max_tokens": 4096},
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
+        eng = llm.engine
+        eng.pause = DraftPause(1.0, window=1, probe_every=3)
+        rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        trace = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids],
+                          [t.clone() for t in eng.storage.swa]))
+        runs.append(trace)
+        assert eng.pause.num_paused_steps > 3
+    assert len(runs[0]) == len(runs[1])
+    for (seen, rings), (seen_full, rings_full) in zip(*runs):
+        assert seen == seen_full
+        assert all(torch.equal(a, b) for a, b in zip(rings, rings_full))

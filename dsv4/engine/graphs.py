@@ -95,13 +95,13 @@ class _Bucket:
     step_out: StepGraphOut | None = None  # the whole-step graph's outputs
     ran: list = field(default_factory=list)  # the graphs that step has run, in order
     prefill: bool = False  # a prefill bucket: one request, up to shape.tokens tokens, streams only
-    keep_out: torch.Tensor | None = None  # the keep-up pass's streams (a keep-up runner's buckets)
+    keep_out: None = None  # (the keep-up pass returns nothing: it only stores the MTP layer's window rows)
 
 
 class GraphRunner:
     def __init__(self, model, storage, spec: GraphSpec, capture: bool, whole_step: bool = True,
                  keep_up: bool = False):
-        """``keep_up``: also the MTP catch-up pass without the head (``keep``), for the steps whose drafting
+        """``keep_up``: also the MTP layer's keep-up pass (``keep``: its window rows only), for the steps whose drafting
         is paused (a runner of one row per request beside the main one, see ``build_graphs``)."""
         self.model, self.storage = model, storage
         self.keep_up = keep_up
@@ -199,7 +199,7 @@ class GraphRunner:
         return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids, bk.prefill)
 
     def _keep(self, bk: _Bucket):
-        return self.model.mtp_streams(bk.target_out[0], bk.next_ids, self._backend(bk.tables))
+        self.model.mtp_keep_up(bk.target_out[0], bk.next_ids, self._backend(bk.tables))
 
     def _draft_pass(self, t, j: int, new_lens, X_in, ids):
         """Draft step j >= 2 on the tables ``t`` of the step: one token per request, its tables computed on the
@@ -223,14 +223,14 @@ class GraphRunner:
         their writes are rolled back), draft 1 from the row of each request's newest committed position,
         draft passes 2..k. Padded batch rows (no drafts) feed zeros to the draft passes, as there. A keep-up
         runner's step (``step_drafts`` 0: drafting paused) verifies nothing and drafts nothing: its one row a
-        request emits the target's token, which feeds the MTP catch-up pass without the head (``keep``)."""
+        request emits the target's token, which feeds the MTP layer's keep-up pass (``keep``)."""
         tables, X, logits = self._forward(bk)
         B, k = bk.batch, self.step_drafts
         G = greedy_tokens(logits)
         a, last, checks = accept_uniform(G, bk.ids, B, k)
         inp = uniform_draft_inputs(G.view(-1, k + 1)[:B], a, tables.computed_lens)
         if k == 0:
-            self.model.mtp_streams(X, inp.next_ids, self._backend(tables))
+            self.model.mtp_keep_up(X, inp.next_ids, self._backend(tables))
             packed = torch.cat([G, 1 + a, checks.reshape(-1)])
             return StepGraphOut(X, logits, G, a, 1 + a, last, G.new_zeros(B, 0), inp.new_lens, packed)
         X_mtp, mtp_logits = self._mtp_pass(tables, X, inp.next_ids)
@@ -362,8 +362,9 @@ class GraphRunner:
         return self._catch_up(plan, next_ids, "mtp", self._mtp)
 
     @torch.no_grad()
-    def keep(self, plan, next_ids: torch.Tensor) -> torch.Tensor:
-        """The MTP catch-up pass of the same step without the head (its streams): drafting paused."""
+    def keep(self, plan, next_ids: torch.Tensor) -> None:
+        """The MTP catch-up pass of the same step reduced to what later passes read (``model.mtp_keep_up``: the
+        MTP layer's window rows): drafting paused."""
         return self._catch_up(plan, next_ids, "keep", self._keep)
 
     def _catch_up(self, plan, next_ids, name: str, fn):

@@ -62,7 +62,7 @@ class GraphSpec:
     # token counts of the one-request prefill graphs (each > rows_per_seq; () on several devices)
     prefill_tokens: tuple[int, ...] = ()
     # with MTP on one device: buckets of one row per request too, for the steps whose drafting is paused
-    # (engine/spec_pause.py: the target pass and the MTP layer's catch-up pass without the head) and the probes
+    # (engine/spec_pause.py: the target pass and the MTP layer's keep-up pass, its window rows) and the probes
     keep_up: bool = False
 
     @property

@@ -355,16 +355,21 @@ class ModelRunner:
             self._run_drafts(plan, X, inp, draft_len, any_active, pick, graphed)
 
     def _run_drafts(self, plan, X, inp, draft_len, any_active, pick, graphed) -> None:
-        """MTP catch-up pass (without the head when no lane drafts and the bucket has that graph: drafting
-        paused), then (if any lane drafts) draft passes 2..draft_len. After pass j,
+        """MTP catch-up pass (reduced to the MTP layer's window rows when nothing drafts, eagerly or on a keep-up
+        bucket: drafting paused, a prefill chunk that samples nothing), then (if any lane drafts) draft passes
+        2..draft_len. After pass j,
         ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
         logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1.
         ``graphed``: the plan's CUDA graphs (the target pass of the same step replayed them too)."""
         model = self.model
         next_ids = self._padded(inp.next_ids, plan.shape.tokens)
         graphs = self._graphs_of(plan) if graphed else None
-        if graphs is not None and graphs.keep_up and not any_active:
-            graphs.keep(plan, next_ids)
+        if not any_active and (graphs.keep_up if graphs is not None else self.pauses_drafting):
+            # nothing drafts: only the MTP layer's window rows (not on several ranks: every rank runs one pass)
+            if graphs is not None:
+                graphs.keep(plan, next_ids)
+            else:
+                model.mtp_keep_up(X, next_ids, self._backend(plan))
             return
         if graphed:
             X_mtp, mtp_logits = graphs.mtp(plan, next_ids)

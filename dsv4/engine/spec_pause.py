@@ -5,7 +5,8 @@ draft), so speculation is slower than none when the drafts are mostly rejected (
 trained with it, text the MTP layer predicts badly). ``DraftPause`` watches the acceptance the engine reads back
 and, once the last ``window`` verified drafts were accepted less often than ``below``, pauses drafting: the
 engine's steps then propose nothing (one row per request, as with MTP off) and only keep the MTP layer's cache
-current (its catch-up pass over the step's rows, without the head), so that drafting can start again at any
+current (``DeepseekV4.mtp_keep_up``: the window rows its attention stores for the step's rows, the same bits as
+its whole pass, without the attention output, the MoE or the head), so that drafting can start again at any
 step. Every ``probe_every`` paused steps one step drafts again (a probe); the acceptance read back from probes
 resumes drafting when it reaches ``below``.
 

@@ -236,6 +236,18 @@ class Attention(nn.Module):
             if comp is not None:
                 comp.inv_freq = self.inv_freq
 
+    def write_window(self, x: torch.Tensor, backend: AttentionBackend) -> None:
+        """Only this step's window rows, stored as ``forward`` stores them (the same projection and norm-rope, so
+        the same bits): what later steps read of a layer whose output this step does not need (a paused MTP
+        step's keep-up pass). A layer with a compressor has more state than the window: ``forward`` only."""
+        if self.compressor is not None:
+            raise ValueError(f"layer {self.layer_id} compresses (ratio {self.compress_ratio}): its compressor"
+                             " state is written by forward, not by write_window")
+        rope = step_rope(backend, self.inv_freq)
+        kv = rms_norm_rope(self.project_input(x)["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
+                           *(backend.kv_destination(self.layer_id) or ()))
+        backend.window(self.layer_id, kv)
+
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """x: [N, d] (attn-normed) -> [N, d]."""
         cfg, N = self.cfg, x.shape[0]

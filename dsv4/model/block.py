@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention, AttentionBackend, RMSNorm
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import hc_discard, hc_head, hc_post, hc_pre
 from .moe import MoE
 from .rows import Linear
 
@@ -63,9 +63,24 @@ class MTPBlock(Block):
     def forward(self, X: torch.Tensor, next_embed: torch.Tensor, backend: AttentionBackend,
                 next_ids: torch.Tensor) -> torch.Tensor:
         """X: [N, n, d] streams at t; next_embed: [N, d] = Emb(token t+1) -> the MTP streams [N, n, d]."""
+        return super().forward(self._input(X, next_embed), backend, next_ids)
+
+    def _input(self, X: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         e = self.e_proj(self.enorm(next_embed))  # [N, d], broadcast to every stream
-        X = self.h_proj(self.hnorm(X)) + e.unsqueeze(1)  # hnorm normalises each stream
-        return super().forward(X, backend, next_ids)
+        return self.h_proj(self.hnorm(X)) + e.unsqueeze(1)  # hnorm normalises each stream
+
+    @property
+    def keeps_up(self) -> bool:
+        """Whether ``keep_up`` holds all the state a later pass reads (a window-only attention, as DeepSeek-V4's)."""
+        return self.attn.compressor is None
+
+    def keep_up(self, X: torch.Tensor, next_embed: torch.Tensor, backend: AttentionBackend) -> None:
+        """The part of ``forward`` later passes read: this step's window rows of the MTP layer's attention, the
+        same bits ``forward`` stores (its attention output, the MoE and the write-backs are not computed)."""
+        X = self._input(X, next_embed)
+        u, _, _ = self._hc_pre(X, "attn")
+        hc_discard(X)
+        self.attn.write_window(u, backend)
 
     def head_input(self, X: torch.Tensor) -> torch.Tensor:
         """MTP streams -> the normed vector the shared lm head reads: [N, d]."""

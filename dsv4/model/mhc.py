@@ -76,6 +76,13 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return out.to(X.dtype)
 
 
+def hc_discard(X: torch.Tensor) -> None:
+    """End an ``hc_pre`` whose write-back does not run (a sub-block whose output nobody reads): the side stream
+    its Sinkhorn may run on is joined, as ``hc_post`` joins it."""
+    if kernel.usable(X):
+        join(side_stream(X, MHC_OVERLAP), X.device)
+
+
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Final collapse of the streams before the output norm: [N, n, d] -> [N, d] (with ``norm_weight``: that

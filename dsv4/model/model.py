@@ -91,6 +91,15 @@ class DeepseekV4(nn.Module):
         with pass_rows(X.shape[0]):
             return self.mtp[0](X, self.embed(next_ids), backend, next_ids)
 
+    def mtp_keep_up(self, X: torch.Tensor, next_ids: torch.Tensor, backend: AttentionBackend) -> None:
+        """An MTP pass whose output nobody reads (drafting paused): only the MTP layer's window rows, as
+        ``mtp_streams`` stores them; the whole pass where the layer holds more state than its window."""
+        if not self.has_mtp or not self.mtp[0].keeps_up:
+            self.mtp_streams(X, next_ids, backend)
+            return
+        with pass_rows(X.shape[0]):
+            self.mtp[0].keep_up(X, self.embed(next_ids), backend)
+
     def mtp_logits_from_streams(self, X_mtp: torch.Tensor) -> torch.Tensor:
         with pass_rows(X_mtp.shape[0]):
             return self.head(self.mtp[0].head_input(X_mtp)).float()
