@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from .traces import assert_same_steps, run_traced
+
 pytestmark = pytest.mark.cuda
 
 
@@ -192,17 +194,9 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda(dtype, monkeypa
         eng = llm.engine
         eng.pause = DraftPause(1.0, window=1, probe_every=3)
         rids = [eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
-        trace = []
-        while eng.has_unfinished_requests():
-            eng.step()
-            trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids],
-                          [t.clone() for t in eng.storage.swa]))
-        runs.append(trace)
+        runs.append(run_traced(eng, rids, rings=True))
         assert eng.pause.num_paused_steps > 3 and eng.runner.keep_graphs.num_replays > 0
-    assert len(runs[0]) == len(runs[1])
-    for (seen, rings), (seen_full, rings_full) in zip(*runs):
-        assert seen == seen_full
-        assert all(torch.equal(a, b) for a, b in zip(rings, rings_full))
+    assert_same_steps(*runs)
 
 
 def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):

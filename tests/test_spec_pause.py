@@ -14,6 +14,8 @@ from dsv4.engine.config import EngineConfigError, SpeculativeConfig
 from dsv4.engine.proposer import use_known_answers
 from dsv4.engine.spec_pause import DraftPause
 
+from .traces import assert_same_steps, run_traced
+
 
 def test_pauses_below_the_threshold_and_probes():
     p = DraftPause(0.5, window=4, probe_every=3)
@@ -171,11 +173,7 @@ def test_paused_whole_step_graph_equals_separate_graphs(overlap, monkeypatch):
         keep = eng.runner.keep_graphs
         keep.whole_step = whole
         rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
-        trace = []
-        while eng.has_unfinished_requests():
-            eng.step()
-            trace.append([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids])
-        traces.append(trace)
+        traces.append(run_traced(eng, rids))
         whole_steps.append(keep.num_whole_steps)
     assert whole_steps[0] > 3 and whole_steps[1] == 0
     assert traces[0] == traces[1] and any(d for step in traces[0] for d, _ in step)
@@ -188,8 +186,6 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows(graphs, monkeypatch):
     prefilled in chunks that sample nothing, paused steps and probes, every window row of every layer after every
     step is the same bit for bit, and so are the tokens and the drafts. Eagerly, and on the graphs' static
     buffers (the keep-up runner's buckets, its whole-step graph)."""
-    import torch
-
     from dsv4.model.model import DeepseekV4
 
     if graphs:
@@ -208,14 +204,6 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows(graphs, monkeypatch):
         eng = llm.engine
         eng.pause = DraftPause(1.0, window=1, probe_every=3)
         rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
-        trace = []
-        while eng.has_unfinished_requests():
-            eng.step()
-            trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids],
-                          [t.clone() for t in eng.storage.swa]))
-        runs.append(trace)
+        runs.append(run_traced(eng, rids, rings=True))
         assert eng.pause.num_paused_steps > 3
-    assert len(runs[0]) == len(runs[1])
-    for (seen, rings), (seen_full, rings_full) in zip(*runs):
-        assert seen == seen_full
-        assert all(torch.equal(a, b) for a, b in zip(rings, rings_full))
+    assert_same_steps(*runs)

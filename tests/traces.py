@@ -1,0 +1,24 @@
+"""Step-by-step traces of an engine run, compared between two twins (a pass against the one it stands for)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def run_traced(eng, rids, rings: bool = False) -> list:
+    """Step ``eng`` until it has no work; after each step every request's (drafts, output ids), and with ``rings``
+    a copy of every layer's window ring."""
+    trace = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen = [(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
+        trace.append((seen, [t.clone() for t in eng.storage.swa]) if rings else seen)
+    return trace
+
+
+def assert_same_steps(a: list, b: list) -> None:
+    """Two ``run_traced(..., rings=True)`` traces: the same drafts and tokens, every ring bit for bit, every step."""
+    assert len(a) == len(b)
+    for (seen, rings), (seen_b, rings_b) in zip(a, b):
+        assert seen == seen_b
+        assert all(torch.equal(x, y) for x, y in zip(rings, rings_b))
