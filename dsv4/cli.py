@@ -109,8 +109,10 @@ def _generate(args) -> int:
         return 2
     spec_stats = llm.get_stats()["speculative"]
     if spec_stats:
+        pause = spec_stats.get("pause")
+        paused = f", drafting paused {pause['num_paused_steps']} steps" if pause and pause["num_paused_steps"] else ""
         print(f"[MTP: acceptance {spec_stats['acceptance_rate']:.2f}, mean accepted length "
-              f"{spec_stats['mean_accepted_len']:.2f}]")
+              f"{spec_stats['mean_accepted_len']:.2f}{paused}]")
     return 0
 
 
