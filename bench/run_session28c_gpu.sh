@@ -1,26 +1,20 @@
 #!/usr/bin/env bash
-# For the next device call (written in the twenty-eighth session): the engine's drafting pause
-# (engine/spec_pause.py: drafting paused while fewer than 0.3 of the last 32 drafts are accepted, steps of one
-# row with the MTP layer's keep-up pass, a probe every 32 paused steps). Its CUDA test (the keep-up runner's
-# graphs captured beside the verify buckets); then MTP on vs off on the issue's preset, flash-L43-E16 (Flash's
-# full depth, 16 experts, bf16), at concurrency 1 and 32, k = 1, zero acceptance, each MTP row with the pause and without; and the
-# seed's command (dsv4-bench, 64 x 1024/128, concurrency 32, the seed's mtp.yml and the same without
-# speculative_config) on flash-L4-E32.
+# For the next device call (written in the twenty-eighth session, NOT run: no machine could be started after its
+# second call). Code committed without a GPU: the engine's drafting pause (engine/spec_pause.py: drafting paused
+# while fewer than 0.3 of the last 32 drafts are accepted; paused steps of one row a request on a second graph
+# runner, the keep-up runner, whose whole-step graph runs the target pass, the argmax and the MTP layer's keep-up
+# pass; a probe every 32 paused steps) and the keep-up pass itself (DeepseekV4.mtp_keep_up: only the window rows
+# the MTP layer's attention stores). First their CUDA tests (the keep-up graphs captured in the verify buckets'
+# pool; the keep-up pass against the whole pass, window rings bit for bit, fp32 and bf16) and the graph tests
+# beside them; then MTP on vs off with the pause and without at zero acceptance (and the oracle at 0.85, which must
+# not pause) on flash-L20-E128 (FP4 experts, FP8 linears; 169 vs 264 tok/s at k = 1 in the 27th session); then
+# run_session28d_gpu.sh (flash-L43-E16) and the seed's command (run_session28e_gpu.sh).
 set -u
-TESTS="tests/test_engine_cuda.py::test_paused_drafting_on_captured_graphs_equals_dense_reference" \
-  TEST_TIMEOUT=${TEST_TIMEOUT:-100} \
-  TEST_TAIL=8 BENCH_TIMEOUT=${BENCH_TIMEOUT:-260} BENCH_TAIL=30 bash bench/device_call.sh \
-  "mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 --p-right --repeat 3 --no-gap --gen 96 --pause on off"
-OUT=${OUT:-/tmp/out}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -m dsv4.bench.cli --model flash-L4-E32 prepare-dataset --output /tmp/ds.jsonl token-norm-dist \
-  --num-requests 64 --input-mean 1024 --output-mean 128 --input-stdev 0 --output-stdev 0 > /dev/null
-grep -v "speculative_config\|decoding_type\|num_nextn" examples/mtp.yml > /tmp/nomtp.yml
-for cfg in examples/mtp.yml /tmp/nomtp.yml; do
-  echo "== seed's command, $cfg"
-  timeout 90 python3 -m dsv4.bench.cli --model flash-L4-E32 --model_path flash-L4-E32 throughput \
-    --tp 1 --ep 1 --dataset /tmp/ds.jsonl --max_batch_size 64 --max_num_tokens 8192 --concurrency 32 \
-    --num_requests 64 --kv_cache_free_gpu_mem_fraction 0.8 --config $cfg --device cuda --no_progress \
-    --report_json "$OUT/report_$(basename $cfg .yml).json" 2>&1 \
-    | grep -i "output throughput\|acceptance rate\|drafting paused\|total wall\|Request throughput" | head -6
-done
+P8="--preset flash-L20-E128 --expert-format fp4 --linear-format fp8"
+TESTS="tests/test_engine_cuda.py::test_paused_drafting_on_captured_graphs_equals_dense_reference \
+tests/test_engine_cuda.py::test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda \
+tests/test_engine_cuda.py::test_cuda_graphs_padded_buckets_equal_dense_reference \
+tests/test_engine_cuda.py::test_overlap_scheduler_equals_sync_on_cuda" TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
+  TEST_TAIL=10 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} BENCH_TAIL=12 bash bench/device_call.sh \
+  "mtp_speedup.py $P8 --concurrency 1 --ks 0 1 2 --p-right 0.85 --repeat 3 --no-gap --gen 128 --pause on off" \
+  "mtp_speedup.py $P8 --concurrency 32 --ks 0 1 --p-right --repeat 3 --no-gap --gen 96 --pause on off"
