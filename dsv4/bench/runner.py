@@ -65,9 +65,10 @@ class RunResult:
 
 
 def _spec_counts(engine) -> dict:
-    s = engine.spec_stats
+    s, pause = engine.spec_stats, getattr(engine, "pause", None)
     return {"verify": s.num_verify_steps, "drafts": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
-            "proposed_per_pos": list(s.proposed_per_pos), "accepted_per_pos": list(s.accepted_per_pos)}
+            "proposed_per_pos": list(s.proposed_per_pos), "accepted_per_pos": list(s.accepted_per_pos),
+            "pause": None if pause is None else pause.as_dict()}
 
 
 def _spec_delta(before: dict, after: dict) -> dict:
@@ -79,10 +80,14 @@ def _spec_delta(before: dict, after: dict) -> dict:
         p0 = before["proposed_per_pos"][j] if j < len(before["proposed_per_pos"]) else 0
         a0 = before["accepted_per_pos"][j] if j < len(before["accepted_per_pos"]) else 0
         per_pos.append((a - a0) / (p - p0) if p > p0 else 0.0)
+    pause = after["pause"]
+    if pause is not None and before["pause"] is not None:  # (the drafting pause's counts over the run too)
+        pause = {**pause, **{k: pause[k] - before["pause"][k]
+                             for k in ("num_pauses", "num_resumes", "num_paused_steps")}}
     return {"num_verify_steps": verify, "num_draft_tokens": drafts, "num_accepted_tokens": accepted,
             "acceptance_rate": accepted / drafts if drafts else 0.0,
             "mean_accepted_len": (accepted + verify) / verify if verify else 0.0,
-            "per_position_acceptance": per_pos}
+            "per_position_acceptance": per_pos, "pause": pause}
 
 
 def _drive(engine, reqs: list[DatasetRequest], records: list[RequestRecord] | None, concurrency: int,
