@@ -396,6 +396,7 @@ def test_metrics_parse_and_count(server):
     assert m["dsv4:time_to_first_token_seconds_count"] >= 1 and m["dsv4:request_queue_time_seconds_count"] >= 1
     assert m["dsv4:generation_tokens_total"] >= 4 and m["dsv4:kv_cache_slots"] == 32
     assert 0 < m["dsv4:spec_decode_acceptance_rate"] <= 1  # MTP is on and mini's drafts are often right
+    assert m["dsv4:spec_decode_drafting_paused"] == 0  # (the pause is on by default; mini's drafts pay)
     kinds = {s.labels["kind"] for s in fams["dsv4:engine_step_seconds"].samples}
     assert {"prefill", "eager"} <= kinds <= {"prefill", "eager", "graph", "readback"}, kinds  # (no graphs on the CPU)
 

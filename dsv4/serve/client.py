@@ -197,6 +197,8 @@ class EngineClient:
             self._spec_seen = (drafts, accepted)
             if drafts:
                 m.m(m.spec_acceptance).set(accepted / drafts)
+        if s.spec_paused is not None:
+            m.m(m.spec_paused).set(int(s.spec_paused))
         m.m(m.running).set(s.num_running)
         m.m(m.waiting).set(s.num_waiting)
         m.m(m.kv_blocks_free).set(s.kv_blocks - s.kv_used_blocks)

@@ -234,4 +234,5 @@ class EngineLoop:
         kv, spec = s["kv_cache_usage"], s["speculative"]
         return (s["num_running"], s["num_waiting"], kv["num_blocks"], kv["used_blocks"], kv["num_slots"],
                 kv["used_slots"], spec["num_draft_tokens"] if spec else None,
-                spec["num_accepted_tokens"] if spec else None)
+                spec["num_accepted_tokens"] if spec else None,
+                spec["pause"]["paused"] if spec and spec.get("pause") else None)

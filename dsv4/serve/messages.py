@@ -69,6 +69,7 @@ class Stats(NamedTuple):
     kv_used_slots: int
     spec_drafts: int | None  # MTP counters since the engine's last reset_stats; None without MTP
     spec_accepted: int | None
+    spec_paused: bool | None = None  # drafting paused now (engine/spec_pause.py); None without the pause
 
 
 def poller(conn, event: int = select.POLLIN) -> Callable[[], bool]:

@@ -65,6 +65,8 @@ class ServerMetrics:
                                      registry=r)
         self.spec_acceptance = Gauge("dsv4:spec_decode_acceptance_rate", "MTP drafts accepted / proposed, since start",
                                      labels, registry=r)
+        self.spec_paused = Gauge("dsv4:spec_decode_drafting_paused", "1 while MTP drafting is paused (too few drafts"
+                                 " accepted; speculative_config.pause_below_acceptance), else 0", labels, registry=r)
         self.engine = Info("dsv4:engine", "The engine's process (pid) and the HTTP server's (server_pid)", labels,
                            registry=r)
 
