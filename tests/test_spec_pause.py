@@ -207,3 +207,59 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows(graphs, monkeypatch):
         runs.append(run_traced(eng, rids, rings=True))
         assert eng.pause.num_paused_steps > 3
     assert_same_steps(*runs)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_random_workload_with_pauses_preemption_aborts_and_sampling(overlap):
+    """Drafting paused, probed and resumed often (the known answer's drafts right a third of the time against a
+    threshold of a half) through a random workload in a cache small enough to preempt, with prompts in chunks,
+    stop tokens, two aborts, a logprobs request and a sampled one: every greedy request emits MTP off's tokens
+    (the aborted ones a prefix) with MTP off's logprobs, the sampled one finishes, nothing leaks; the cache's
+    integrity is checked after every step (conftest)."""
+    prompts, lengths = _workload(8, 31)
+    prompts = [p + [7] * 40 for p in prompts]  # long enough to crowd the small cache
+    lengths = [max(n, 24) for n in lengths]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=2 if i == 1 else None)
+              for i, n in enumerate(lengths)]
+    kw = dict(max_batch_size=8, max_num_tokens=64, max_seq_len=200,
+              kv_cache_config={"max_tokens": 400, "tokens_per_block": 16})
+    ref_llm = LLM("tiny", warmup=False, **kw)
+    ref = ref_llm.generate(prompts, params)
+    stop = {4: ref[4].outputs[0].token_ids[6]}
+    for i, t in stop.items():
+        params[i] = SamplingParams(max_tokens=lengths[i], ignore_eos=True, stop_token_ids=[t])
+    params[6] = SamplingParams(max_tokens=lengths[6], temperature=0.9, seed=2, ignore_eos=True)
+    ref = ref_llm.generate(prompts, params)
+    ans = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, ref)}
+    llm = LLM("tiny", warmup=False, disable_overlap_scheduler=not overlap,
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
+    eng = llm.engine
+    eng.pause = DraftPause(0.5, window=4, probe_every=3)
+    use_known_answers(eng, ans, 0.35, seed=4)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    abort_at = {0: 9, 5: 4}
+    while eng.has_unfinished_requests():
+        eng.step()
+        for i, n in list(abort_at.items()):
+            req = eng.requests[rids[i]]
+            if len(req.output_ids) >= n and not req.finished:
+                eng.abort_request(rids[i])
+                del abort_at[i]
+    assert not abort_at and eng.get_stats()["num_preemptions"] > 0
+    st = eng.pause.as_dict()
+    assert st["num_pauses"] >= 1 and st["num_resumes"] >= 1 and st["num_paused_steps"] > 0
+    for i, (rid, r) in enumerate(zip(rids, ref)):
+        req = eng.requests.get(rid)
+        if req is None:  # (aborted: the engine forgot it)
+            continue
+        want = r.outputs[0]
+        if i == 6:
+            assert req.finish_reason == "length" and len(req.output_ids) == lengths[6]
+            continue
+        assert req.output_ids == want.token_ids and req.finish_reason == want.finish_reason, i
+        if i == 1:
+            assert len(req.logprobs) == len(want.logprobs)
+            for x, y in zip(req.logprobs, want.logprobs):
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
+    cache = eng.cache
+    assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
