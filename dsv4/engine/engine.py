@@ -1,7 +1,9 @@
 """The engine step: schedule -> plan -> run the target -> sample / verify -> propose drafts -> commit.
 
 Speculation is its own stage: a ``Proposer`` (``proposer.py``; the MTP layer's by default) drafts the next
-step's tokens after acceptance; the runner only offers forward passes.
+step's tokens after acceptance; the runner only offers forward passes. While drafts are not accepted often
+enough the engine's ``DraftPause`` (``spec_pause.py``) pauses drafting: steps of one row a request, the MTP
+layer only keeping its cache current.
 
 ``LLMEngine`` is what the LLM API and the benchmark drive: ``add_request`` then ``step`` until
 ``has_unfinished_requests`` is false. Every step's per-step state lives in one immutable plan the cache
