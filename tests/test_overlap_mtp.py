@@ -14,6 +14,8 @@ from dsv4 import LLM, SamplingParams
 from dsv4.engine import runner as runner_mod
 from dsv4.engine.proposer import KnownAnswerProposer, use_known_answers
 
+from .traces import run_with_aborts
+
 
 def _llm(overlap: bool, k: int, **kw):
     kw.setdefault("max_batch_size", 4)
@@ -74,14 +76,7 @@ def _run(llm, prompts, params, answers=None, p_right=0.0, abort_at=None):
         use_known_answers(eng, answers, p_right, seed=1)
         assert isinstance(eng.proposer, KnownAnswerProposer)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    abort_at = dict(abort_at or {})
-    while eng.has_unfinished_requests():
-        eng.step()
-        for i, n in list(abort_at.items()):
-            req = eng.requests[rids[i]]
-            if len(req.output_ids) >= n and not req.finished:
-                eng.abort_request(rids[i])
-                del abort_at[i]
+    run_with_aborts(eng, rids, abort_at or {})
     cache = eng.cache
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
     outs = [(list(r.output_ids), r.finish_reason) for r in (eng.requests.get(rid) for rid in rids) if r is not None]

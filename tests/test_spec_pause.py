@@ -14,7 +14,7 @@ from dsv4.engine.config import EngineConfigError, SpeculativeConfig
 from dsv4.engine.proposer import use_known_answers
 from dsv4.engine.spec_pause import DraftPause
 
-from .traces import assert_same_steps, run_traced
+from .traces import assert_same_steps, run_traced, run_with_aborts
 
 
 def test_pauses_below_the_threshold_and_probes():
@@ -237,15 +237,7 @@ def test_random_workload_with_pauses_preemption_aborts_and_sampling(overlap):
     eng.pause = DraftPause(0.5, window=4, probe_every=3)
     use_known_answers(eng, ans, 0.35, seed=4)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    abort_at = {0: 9, 5: 4}
-    while eng.has_unfinished_requests():
-        eng.step()
-        for i, n in list(abort_at.items()):
-            req = eng.requests[rids[i]]
-            if len(req.output_ids) >= n and not req.finished:
-                eng.abort_request(rids[i])
-                del abort_at[i]
-    assert not abort_at and eng.get_stats()["num_preemptions"] > 0
+    assert not run_with_aborts(eng, rids, {0: 9, 5: 4}) and eng.get_stats()["num_preemptions"] > 0
     st = eng.pause.as_dict()
     assert st["num_pauses"] >= 1 and st["num_resumes"] >= 1 and st["num_paused_steps"] > 0
     for i, (rid, r) in enumerate(zip(rids, ref)):

@@ -1,4 +1,5 @@
-"""Step-by-step traces of an engine run, compared between two twins (a pass against the one it stands for)."""
+"""Driving an engine step by step in tests: traces compared between two twins (a pass against the one it stands
+for), aborts at a chosen token count."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ def run_traced(eng, rids, rings: bool = False) -> list:
         seen = [(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
         trace.append((seen, [t.clone() for t in eng.storage.swa]) if rings else seen)
     return trace
+
+
+def run_with_aborts(eng, rids, abort_at: dict) -> dict:
+    """Step ``eng`` until it has no work, aborting request ``rids[i]`` once it holds ``abort_at[i]`` tokens;
+    returns the aborts that did not happen (their requests ended first)."""
+    abort_at = dict(abort_at)
+    while eng.has_unfinished_requests():
+        eng.step()
+        for i, n in list(abort_at.items()):
+            req = eng.requests[rids[i]]
+            if len(req.output_ids) >= n and not req.finished:
+                eng.abort_request(rids[i])
+                del abort_at[i]
+    return abort_at
 
 
 def assert_same_steps(a: list, b: list) -> None:
