@@ -134,7 +134,6 @@ def main():
                              f"{same:.3f}", first, gap])
                 print(rows[-1], flush=True)  # (a run stopped part way keeps its rows)
         use_known_answers(llm.engine, None)
-        llm.engine.pause = policy
         del llm  # before the next model is built: a model of Flash's depth fits once
         gc.collect()
         if args.device.startswith("cuda"):

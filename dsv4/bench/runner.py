@@ -65,7 +65,7 @@ class RunResult:
 
 
 def _spec_counts(engine) -> dict:
-    s, pause = engine.spec_stats, getattr(engine, "pause", None)
+    s, pause = engine.spec_stats, engine.pause
     return {"verify": s.num_verify_steps, "drafts": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
             "proposed_per_pos": list(s.proposed_per_pos), "accepted_per_pos": list(s.accepted_per_pos),
             "pause": None if pause is None else pause.as_dict()}

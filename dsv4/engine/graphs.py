@@ -229,10 +229,11 @@ class GraphRunner:
         G = greedy_tokens(logits)
         a, last, checks = accept_uniform(G, bk.ids, B, k)
         inp = uniform_draft_inputs(G.view(-1, k + 1)[:B], a, tables.computed_lens)
+        rows = 1 + a
         if k == 0:
             self.model.mtp_keep_up(X, inp.next_ids, self._backend(tables))
-            packed = torch.cat([G, 1 + a, checks.reshape(-1)])
-            return StepGraphOut(X, logits, G, a, 1 + a, last, G.new_zeros(B, 0), inp.new_lens, packed)
+            packed = torch.cat([G, rows, checks.reshape(-1)])
+            return StepGraphOut(X, logits, G, a, rows, last, G.new_zeros(B, 0), inp.new_lens, packed)
         X_mtp, mtp_logits = self._mtp_pass(tables, X, inp.next_ids)
         live = tables.draft_lens > 0
         tok = torch.where(live, greedy_tokens(mtp_logits[inp.picks]), 0)
@@ -242,7 +243,6 @@ class GraphRunner:
             X_prev, lg = self._draft_pass(tables, j, inp.new_lens, X_prev, drafts[-1])
             drafts.append(torch.where(live, greedy_tokens(lg), 0))
         D = torch.stack(drafts, 1)
-        rows = 1 + a
         packed = torch.cat([G, rows, checks.reshape(-1), D.reshape(-1)])
         return StepGraphOut(X, logits, G, a, rows, last, D, inp.new_lens, packed)
 
@@ -416,7 +416,7 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
                                 whole_step=runner.whole_step_graphs)
     with runner.pass_context():  # captured under the same GEMM row counts as the eager passes
         runner.graphs.prepare()
-        if spec.keep_up and spec.with_mtp and runner.pauses_drafting:
+        if spec.keep_up and runner.pauses_drafting:
             # one row per request (the steps whose drafting is paused, and their probes), in the same pool
             keep = GraphRunner(runner.model, runner.storage, replace(spec, rows_per_seq=1, prefill_tokens=()),
                                capture=capture, whole_step=runner.whole_step_graphs, keep_up=True)

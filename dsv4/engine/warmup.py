@@ -10,15 +10,13 @@ from .spec_pause import DraftPause
 
 log = logging.getLogger("dsv4")
 
-PAUSED = "MTP with drafting paused"  # the path run under a DraftPause that pauses at once and probes often
-
 
 class WarmupError(RuntimeError):
     """A warmup path failed; the message names the path and the cause."""
 
 
-def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
-    """(name, prompt lengths, max_tokens, with a sampled request) of each path: a context chunk of
+def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, bool]]:
+    """(name, prompt lengths, max_tokens, with a sampled request, drafting paused) of each path: a context chunk of
     max_num_tokens, one request's prefill for each prefill graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
@@ -32,22 +30,22 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool]]:
     batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
     decode_out = min(2, L - 1)
     decode_prompt = max(1, min(4, L - decode_out))
-    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False)]
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False, False)]
     # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
     graphs = engine.runner.graphs
     for T in sorted({min(T, L - 2) for T in (graphs.prefill_tokens if graphs is not None else ())} - {chunk}):
-        paths.append((f"one-request prefill graph of {T} tokens", [T], 2, False))
-    paths.append(("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False))
+        paths.append((f"one-request prefill graph of {T} tokens", [T], 2, False, False))
+    paths.append(("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False, False))
     if engine.draft_len:
         steps = 2 + 2 * (engine.draft_len + 1)  # enough to verify twice, where max_seq_len leaves room
         prompt = max(1, min(4, L - steps))
         paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",
-                      [prompt] * batch, min(steps, L - prompt), True))
+                      [prompt] * batch, min(steps, L - prompt), True, False))
         if engine.pause is not None:  # steps of one row with the keep-up pass, probes, and the steps between
             steps = 8 + 2 * (engine.draft_len + 1)
             prompt = max(1, min(4, L - steps))
-            paths.append((f"{PAUSED} (keep-up passes and probes, batch {batch})", [prompt] * batch,
-                          min(steps, L - prompt), False))
+            paths.append((f"MTP with drafting paused (keep-up passes and probes, batch {batch})", [prompt] * batch,
+                          min(steps, L - prompt), False, True))
     return paths
 
 
@@ -56,10 +54,10 @@ def run_warmup(engine) -> list[str]:
     both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
     request (the separate graphs, rejection sampling on the device)."""
     done = []
-    for name, prompt_lens, max_tokens, with_sampled in warmup_paths(engine):
+    for name, prompt_lens, max_tokens, with_sampled, paused in warmup_paths(engine):
         ids = []
         policy = engine.pause
-        if name.startswith(PAUSED):  # paused after the first rejected draft, a probe every third step
+        if paused:  # paused after the first rejected draft, a probe every third step
             engine.pause = DraftPause(1.0, window=1, probe_every=3)
         try:
             params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in prompt_lens]

@@ -243,10 +243,15 @@ class Attention(nn.Module):
         if self.compressor is not None:
             raise ValueError(f"layer {self.layer_id} compresses (ratio {self.compress_ratio}): its compressor"
                              " state is written by forward, not by write_window")
-        rope = step_rope(backend, self.inv_freq)
-        kv = rms_norm_rope(self.project_input(x)["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
+        self._window(self.project_input(x)["kv"], step_rope(backend, self.inv_freq), backend)
+
+    def _window(self, kv: torch.Tensor, rope, backend: AttentionBackend):
+        """This step's kv (normed, roped) stored into the window ring (by the norm-rope kernel where the backend
+        gives its destination); the window's keys for attention."""
+        # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
+        kv = rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, rope,
                            *(backend.kv_destination(self.layer_id) or ()))
-        backend.window(self.layer_id, kv)
+        return backend.window(self.layer_id, kv)
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """x: [N, d] (attn-normed) -> [N, d]."""
@@ -262,11 +267,7 @@ class Attention(nn.Module):
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
         q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
-        # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
-        kv = rms_norm_rope(xs["kv"], self.kv_norm.weight, self.kv_norm.eps, rope,
-                           *(backend.kv_destination(self.layer_id) or ()))
-
-        window = backend.window(self.layer_id, kv)
+        window = self._window(xs["kv"], rope, backend)
         compressed = None
         if self.compressor is not None:
             rows = self.compressor.project(xs["comp_kv"], xs["comp_gate"], backend.positions,
