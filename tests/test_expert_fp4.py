@@ -210,6 +210,36 @@ def test_only_the_first_active_blocks_hold_pairs(N, k, E, bm):
                           atol=1e-6)
 
 
+@pytest.mark.parametrize("keep_some", [False, True])
+def test_prefill_experts_on_the_library_grouped_mm_equal_the_triton_layouts_twin(monkeypatch, keep_some):
+    """The prefill path on torch._grouped_mm (rows gathered into segments of 16, the segment ends counted on
+    the device from the block table) gives the grouped twin's output (row blocks of 64) to bf16 rounding, with
+    other ranks' pairs (``keep``) too. On CPU torch runs its own fallback of the same op; the GPU's CUTLASS
+    kernel meets this twin in tests/test_kernels_cuda.py."""
+    from dsv4.kernels import moe
+
+    E, k, I, d, N = 8, 3, 64, 128, 200
+    g = torch.Generator().manual_seed(11)
+    w1, w3 = (torch.randn(E, I, d, generator=g).bfloat16() / d ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, d, I, generator=g).bfloat16() / I ** 0.5
+    x = torch.randn(N, d, generator=g).bfloat16()
+    ids = torch.rand(N, E, generator=g).topk(k, dim=1).indices
+    w = torch.rand(N, k, generator=g)
+    keep = (torch.rand(N, k, generator=g) < 0.6) if keep_some else None
+    assert moe.block_m_for(N * k, E) == moe.PREFILL_BLOCK_M
+    twin = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
+    assert not moe.use_grouped_mm(x, N * k, E, False, False)  # off by default, and never off the GPU
+    taken = []
+    monkeypatch.setattr(moe, "use_grouped_mm", lambda *a: taken.append(a) or moe.block_m_for(*a[1:3]) > moe.BLOCK_M)
+    lib = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
+    assert taken and lib.dtype == twin.dtype == torch.float32
+    assert torch.allclose(lib, twin, rtol=2e-2, atol=2e-2 * twin.abs().max().item())
+    ref = torch.einsum("nk,nki,nkdi->nd", w.double() * (keep if keep is not None else 1),
+                       torch.nn.functional.silu(torch.einsum("nd,nkid->nki", x.double(), w1[ids].double()).clamp(max=10))
+                       * torch.einsum("nd,nkid->nki", x.double(), w3[ids].double()).clamp(-10, 10), w2[ids].double())
+    assert (lib.double() - ref).abs().max() < 3e-2 * ref.abs().max()
+
+
 def test_experts_take_the_shared_output_or_a_function_giving_it():
     """``add`` as a function (MoE.forward's join of the shared expert's side stream) is called once, just before
     the addition, and gives the bits of the tensor itself: the CPU loop and the grouped twin."""

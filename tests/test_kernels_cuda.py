@@ -92,6 +92,35 @@ def test_grouped_moe_matches_torch():
         assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
 
 
+def test_grouped_moe_on_the_library_grouped_mm_matches_the_kernel_and_replays_in_a_graph(monkeypatch):
+    """moe.GROUPED_MM (torch._grouped_mm over segments of 16) at prefill sizes (400 and 2800 tokens; other
+    ranks' pairs left out at 400) against the Triton grouped GEMM's output, and the same bits replayed from a
+    CUDA graph (the segment ends are counted on the device)."""
+    from dsv4.kernels import moe
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for N, E, k, I, d, keep_some in ((400, 32, 6, 512, 1024, True), (2800, 32, 6, 384, 512, False)):
+        w1, w3 = ((torch.randn(E, I, d, device="cuda", generator=g) / d ** 0.5).bfloat16() for _ in range(2))
+        w2 = (torch.randn(E, d, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+        x = torch.randn(N, d, device="cuda", generator=g).bfloat16()
+        ids = torch.rand(N, E, device="cuda", generator=g).topk(k, dim=1).indices
+        w = torch.rand(N, k, device="cuda", generator=g)
+        keep = torch.rand(N, k, device="cuda", generator=g) < 0.7 if keep_some else None
+        monkeypatch.setattr(moe, "GROUPED_MM", False)
+        kernel = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
+        monkeypatch.setattr(moe, "GROUPED_MM", True)
+        assert moe.use_grouped_mm(x, N * k, E, False, False)
+        lib = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
+        assert torch.isfinite(lib).all() and rel_err(lib, kernel) < 1e-2
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, lib)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, d", [(1, 4096), (37, 64), (5, 1000), (300, 4096), (300, 1000)])
 def test_mhc_kernels_match_twins(dtype, N, d):

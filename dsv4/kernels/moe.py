@@ -50,6 +50,33 @@ GEMM_CONFIG_FP32 = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 
 GEMM_CONFIG_FP4 = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
+# At prefill sizes with 16-bit activations and unpacked weights, the expert GEMMs can be torch._grouped_mm
+# (CUTLASS's grouped GEMM on sm90) over the rows gathered once into the sorted layout, laid out in segments of
+# BLOCK_M (little padding: the library takes any segment boundaries). bench/prefill_moe_gpu.py measures it
+# against the Triton kernel's row blocks of 64 / 128.
+GROUPED_MM = False
+
+
+def use_grouped_mm(x: torch.Tensor, num_pairs: int, num_experts: int, invariant: bool, packed: bool) -> bool:
+    """Whether ``grouped_experts`` takes torch._grouped_mm: GROUPED_MM on, the kernels on x's device, 16-bit x,
+    unpacked weights, no batch invariance, and a step big enough for the prefill row blocks (``block_m_for``)."""
+    return (GROUPED_MM and on(x) and x.element_size() == 2 and not packed and not invariant
+            and block_m_for(num_pairs, num_experts) > BLOCK_M)
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor, block_m: int,
+               blocks: int) -> torch.Tensor:
+    """[blocks * block_m, n]: row block b of ``a`` (rows already in the sorted layout) times w[e].T for its
+    expert e = block_expert[b], as one torch._grouped_mm. The segment ends come from the block table on the
+    device (no host sync): expert e's segment is its blocks, the experts in order. Rows of the trailing
+    blocks of no expert (-1) are outside every segment and are left as the library leaves them (never read)."""
+    be = block_expert[:blocks]
+    per = torch.zeros(w.shape[0], dtype=torch.int32, device=a.device)
+    per.scatter_add_(0, be.clamp(min=0), (be >= 0).to(torch.int32))
+    offs = torch.cumsum(per, 0, dtype=torch.int32) * block_m
+    return torch._grouped_mm(a[:blocks * block_m], w.transpose(1, 2), offs=offs)
+
+
 def block_m_for(num_pairs: int, num_experts: int, invariant: bool = False, large: bool = False) -> int:
     """Rows per block of a grouped GEMM over ``num_pairs`` (token, choice) pairs: PREFILL_BLOCK_M once they
     average that many per expert, LARGE_BLOCK_M once they average 4 x that many and ``large`` (16-bit
@@ -351,7 +378,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     blocks of BLOCK_M whatever the step's size (``block_m_for``; batch invariance)."""
     N, k = ids.shape
     E = w1.shape[0]
-    bm = block_m_for(N * k, E, invariant, large=scales is None and x.element_size() == 2)
+    mm = use_grouped_mm(x, N * k, E, invariant, scales is not None)
+    bm = BLOCK_M if mm else block_m_for(N * k, E, invariant, large=scales is None and x.element_size() == 2)
     if keep is None:
         rows, pair_pos, block_expert, w_sorted = align(ids, E, bm, weights)
     else:
@@ -366,14 +394,20 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         gemm = _gemv  # packed FP4 at decode sizes: a GEMV per row
     s1, s2, s3 = scales if scales is not None else (None, None, None)
     r = blocks * bm  # rows past the active blocks are padding: never computed, never read
-    if gemm is _gemv and gemv_kernel.GATE_UP_FUSED:  # w1, w3 and the SwiGLU in one launch
+    if mm:  # the tokens' rows gathered once into the sorted layout, then three library grouped GEMMs
+        xs = x[rows[:r].clamp(min=0)]
+        g, u = (grouped_mm(xs, w, block_expert, bm, blocks) for w in (w1, w3))
+        h = swiglu_to(g, u, limit, w_sorted[:r], x.dtype)
+        y = grouped_mm(h, w2, block_expert, bm, blocks)  # [r, d]: the combine reads the pairs' rows, all < r
+    elif gemm is _gemv and gemv_kernel.GATE_UP_FUSED:  # w1, w3 and the SwiGLU in one launch
         h = gemv_kernel.fp4_gemv_gate_up(x, rows, w1, s1, w3, s3, block_expert, m_pad, bm, limit, w_sorted,
                                          blocks=blocks)
     else:
         g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
         u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
         h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
-    y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
+    if not mm:
+        y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
     add = add() if callable(add) else add  # Experts.forward's contract: a function is called just before adding
     if on(x):  # one kernel; the lines below are its twin
         return _combine(y, pair_pos, keep, N, k, add, out_dtype)
