@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Twenty-ninth session, first device call: the CUDA tests of the drafting pause (committed in the 28th session
-# without a GPU: tests/test_engine_cuda.py whole) and of the routed experts' prefill GEMMs on torch._grouped_mm
+# without a GPU: tests/test_engine_cuda.py whole, with this session's sampled MTP on == off on CUDA) and of the routed experts' prefill GEMMs on torch._grouped_mm
 # (moe.GROUPED_MM, new, off by default); the grouped GEMM's A/B at prefill sizes (Triton row blocks of 64 / 128
 # against torch._grouped_mm over segments of 16, cuBLAS bmm as the peer); then MTP with and without the pause
 # at zero acceptance and at the oracle's 0.85 on flash-L20-E128 (FP4 experts, FP8 linears).

@@ -163,9 +163,9 @@ def test_engine_on_device_equals_host_path(k, verify_path):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_mixed_greedy_and_sampled_steps_verify_on_the_device(k, verify_path):
-    """Sampled requests verify on the device too (rejection sampling, ``spec.rejection_sample_on_device``; its
-    distribution is tests/test_spec_sampling.py's): every drafting step takes the device path, greedy requests
-    keep MTP off's tokens beside them, and a seeded request draws the same tokens again."""
+    """Sampled requests verify on the device too (their keyed draws, ``spec.accept_on_device``; their
+    distribution and MTP off's tokens are tests/test_spec_sampling.py's): every drafting step takes the device
+    path, greedy requests keep MTP off's tokens beside them, and a seeded request draws the same tokens again."""
     prompts, params = _workload(10, seed=1, sampled=SAMPLED)
     runs = [_run(k, verify_path, True, prompts, params, {}) for _ in range(2)]
     outs, stats, seen, _, answers, rids = runs[0]

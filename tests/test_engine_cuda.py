@@ -65,6 +65,26 @@ def test_fp8_cache_kernel_path_equals_torch_path():
     assert llm.engine.runner.graphs.num_replays > 0
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sampled_requests_with_mtp_emit_mtp_off_tokens_on_cuda(overlap):
+    """fp32 on the GPU with CUDA graphs: seeded sampled requests (temperature, top-k, top-p) beside greedy ones
+    emit MTP off's tokens with MTP k = 2 (their keyed draws: ``sampler.sample_keyed``), overlapped or not."""
+    from dsv4 import SamplingParams
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3, 17)]
+    sp = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=t, top_k=k, top_p=p, seed=i)
+          for i, (t, k, p) in enumerate([(0.7, 0, 1.0), (1.0, 40, 0.9), (1.3, 0, 0.95), (0.9, 20, 1.0)])]
+    sp += [SamplingParams(max_tokens=20, ignore_eos=True)] * 2
+    kw = dict(cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 8]},
+              disable_overlap_scheduler=not overlap)
+    off = [o.outputs[0].token_ids for o in _engine("tiny", **kw).generate(prompts, sp)]
+    llm = _engine("tiny", speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == off
+    st = llm.get_stats()["speculative"]
+    assert st["num_draft_tokens"] > 0 and llm.engine.runner.graphs.num_replays > 0
+
+
 def _bf16_mtp_outputs():
     """tiny in bf16 (where a race or a reordering would show), FP8 cache, MTP 2, decode graphs with padding and
     prefill graphs, a greedy and a seeded sampled request: each request's tokens and logprobs."""

@@ -161,10 +161,10 @@ def capture(engine, run: Run):
     def propose(seqs, plan, target, num_accepted, drafting, draft_len, choose):
         logits: dict[int, list[torch.Tensor]] = {}
 
-        def choose_and_keep(rows, j, lg):
+        def choose_and_keep(rows, lg, positions):
             for i, b in enumerate(rows):
                 logits.setdefault(b, []).append(lg[i].detach().float().cpu().clone())
-            return choose(rows, j, lg)
+            return choose(rows, lg, positions)
 
         drafts = real(seqs, plan, target, num_accepted, drafting, draft_len, choose_and_keep)
         run.pending.append(lambda: _record(run, seqs, plan, num_accepted, drafting, drafts, logits))

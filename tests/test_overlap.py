@@ -39,7 +39,7 @@ def test_overlap_equals_sync(count_overlapped):
     # after it and must drop that step's token
     for i in (0, 2, 5):
         params[i] = SamplingParams(max_tokens=lengths[i], ignore_eos=True, stop_token_ids=[ref[i][0][4]])
-    # sampled rows are drawn on the device in the overlapped step, from the same generators in the same order
+    # sampled rows are drawn on the device in the overlapped step, keyed by the same seeds and positions
     params[3] = SamplingParams(max_tokens=9, temperature=0.8, seed=5)
     params[6] = SamplingParams(max_tokens=11, temperature=1.0, top_k=20, top_p=0.9, seed=9)
     ref = _run(_llm(False), prompts, params)

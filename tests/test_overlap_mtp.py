@@ -151,8 +151,8 @@ def test_abort_while_an_mtp_step_is_on_the_device(answers):
 
 
 def test_sampled_and_logprob_requests_equal_sync(answers, overlapped_mtp):
-    """Sampled requests verify by rejection sampling on the device with their own generators, in the same
-    order either way: seeded requests draw the same tokens; logprobs of every emitted token match."""
+    """Sampled requests verify against their keyed draws on the device either way: seeded requests draw the
+    same tokens; logprobs of every emitted token match."""
     prompts, lengths = _workload(7, 11)
     ans = answers(prompts, lengths)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=2 if i % 3 == 0 else None)
@@ -278,13 +278,14 @@ def test_uniform_acceptance_equals_accept_on_device():
 
 def test_warmup_runs_whole_step_graphs_and_a_sampled_mtp_step(monkeypatch):
     """Warmup's MTP path runs both MTP step kinds before serving: greedy steps on the whole-step graph and steps
-    of a sampled request (rejection sampling on the device, the separate graphs), and leaves nothing behind."""
+    of a sampled request (its keyed draws verified on the device, the separate graphs), and leaves nothing
+    behind."""
     from dsv4.engine import spec
 
     monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
     calls = []
-    real = spec.rejection_sample_on_device
-    monkeypatch.setattr(spec, "rejection_sample_on_device", lambda *a: calls.append(1) or real(*a))
+    real = spec.sample_rows
+    monkeypatch.setattr(spec, "sample_rows", lambda *a: calls.append(1) or real(*a))
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})

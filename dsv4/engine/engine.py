@@ -26,8 +26,8 @@ from .outputs import CompletionOutput, RequestOutput
 from .proposer import DeviceProposals, MtpProposer, Proposer
 from .protocols import StepCache, StepScheduler
 from .request import InFlight, Request, Status
-from .runner import LaunchedStep, ModelRunner, TargetOutput
-from .sampler import StepLogprobs, greedy_tokens, make_generator, probs_from_logits, sample
+from .runner import LaunchedStep, ModelRunner, TargetOutput, target_inputs
+from .sampler import StepLogprobs, greedy_tokens, request_key, sample_rows
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
 from .spec_pause import DraftPause
@@ -102,8 +102,8 @@ class LLMEngine:
             raise RequestError(f"request {rid!r}: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) ="
                                f" {len(ids) + params.max_tokens} exceeds max_seq_len ({self.max_seq_len});"
                                " shorten the request or raise max_seq_len")
-        gen = None if params.greedy else make_generator(params.seed, self.device)
-        req = Request(rid, ids, params, generator=gen, eos_token_id=self.model_cfg.eos_token_id, prompt=prompt)
+        req = Request(rid, ids, params, key=request_key(params.seed), eos_token_id=self.model_cfg.eos_token_id,
+                      prompt=prompt)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -152,7 +152,7 @@ class LLMEngine:
         try:
             target = self.runner.forward(seqs, plan, prev, whole_step=self._whole_step(seqs, plan, drafting))
             if self._overlaps(seqs):
-                launched = self._launch_mtp(seqs, plan, target, drafting) if mtp else self._launch(seqs, target)
+                launched = self._launch_mtp(seqs, plan, target, drafting) if mtp else self._launch(seqs, plan, target)
                 # the rows every outcome keeps (an MTP step's accepted drafts settle when they are read back)
                 accepted, emitted = [s.num_new - len(s.drafts) for s in seqs], [[] for _ in seqs]
                 self._commit(plan, seqs, accepted, [len(s.drafts) for s in seqs])
@@ -244,27 +244,48 @@ class LLMEngine:
                 and (self._overlaps(seqs) or self._verifies_on_device(seqs))
                 and all(s.sample and s.request.params.greedy and len(s.drafts) == k for s in seqs))
 
-    def _verdict(self, seqs: list[ScheduledSeq], target: TargetOutput) -> DeviceVerdict:
+    def _verdict(self, seqs: list[ScheduledSeq], plan, target: TargetOutput) -> DeviceVerdict:
         """The step's acceptance on the device: computed with the step's graph, or now."""
         if target.step is not None:
             return verdict_of_step_graph(target.step, len(seqs))
-        return accept_on_device(seqs, target.all_rows(), target.inputs)
+        return accept_on_device(seqs, target.all_rows(), target.inputs, self._draw_positions(seqs, plan))
 
-    def _launch(self, seqs: list[ScheduledSeq], target: TargetOutput) -> LaunchedStep:
-        """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn with their
-        request's generator, as the synchronous step draws them) and queued for the host, their logprobs
+    def _draw_positions(self, seqs: list[ScheduledSeq], plan) -> torch.Tensor | None:
+        """The sequence position of the token each logit row of the step draws (its step row's position + 1),
+        on the device: from the host's C of each request, or, when an overlapped MTP step left some C on the
+        device only (``plan.unsettled``), from the plan's positions there. None when every seq that samples
+        is greedy."""
+        if all(s.request.params.greedy for s in seqs if s.sample):
+            return None
+        if any(getattr(plan, "unsettled", ())):
+            _, rows, _ = target_inputs(seqs)
+            return plan.positions[to_device(rows, plan.rows.device)] + 1
+        pos = []
+        for s in seqs:
+            if s.sample:  # its logit rows are its step's last len(drafts) + 1 rows, from row C on
+                first = s.request.num_computed + s.num_new - len(s.drafts)
+                pos += range(first, first + len(s.drafts) + 1)
+        return to_device(pos, self.device)
+
+    def _launch(self, seqs: list[ScheduledSeq], plan, target: TargetOutput) -> LaunchedStep:
+        """The step's tokens, chosen on the device (greedy rows by argmax, sampled rows drawn keyed by their
+        request and position, as the synchronous step draws them) and queued for the host, their logprobs
         behind them; each sampled request counts one pending token until ``_resolve`` reads it."""
         rows = target.all_rows()
         tokens = greedy_tokens(rows)
-        row_of, asks = {}, []
+        row_of, asks, drawn = {}, [], []
         for s in seqs:
             if s.sample:
                 r = row_of[s.request.request_id] = len(row_of)
                 req = s.request
                 if not req.params.greedy:
-                    tokens[r:r + 1] = sample(probs_from_logits(rows[r:r + 1], req.params), req.generator)
+                    drawn.append((r, req))
                 req.num_pending += 1
                 asks.append(req.params.logprobs)
+        if drawn:
+            at = to_device([r for r, _ in drawn], rows.device)
+            tokens[at] = sample_rows(rows[at], [q.params for _, q in drawn], [q.key for _, q in drawn],
+                                     self._draw_positions(seqs, plan)[at])
         host = HostCopy(tokens)  # (queued first: read first)
         return LaunchedStep(seqs, tokens[:, None], row_of, host,
                             StepLogprobs.launch(rows, tokens, [1] * len(asks), asks))
@@ -289,7 +310,7 @@ class LLMEngine:
         inputs (the token after the accepted drafts, then the new drafts), all queued for the host, which reads
         them in the next call."""
         rows = target.all_rows()
-        verdict = self._verdict(seqs, target)
+        verdict = self._verdict(seqs, plan, target)
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
         proposals = self.proposer.propose_on_device(seqs, plan, target, verdict,
@@ -304,7 +325,6 @@ class LLMEngine:
         for b in sampled:
             req = seqs[b].request
             req.inflight = InFlight(plan.step_id, len(seqs[b].drafts), inputs.shape[1] - 1)
-            req.draft_probs = proposals.probs.get(b)  # (the next step verifies against them on the device)
         return LaunchedStep(seqs, inputs, {seqs[b].request.request_id: r for r, b in enumerate(sampled)},
                             logprobs=logprobs, mtp=LaunchedMtp(plan, verdict, proposals,
                                                                tuple(s.request.num_preemptions for s in seqs)))
@@ -393,12 +413,12 @@ class LLMEngine:
                 and all(s.request.finish_reason is None for s in seqs if s.sample))
 
     def _run_on_device(self, seqs: list[ScheduledSeq], plan, target: TargetOutput, drafting: bool):
-        """The MTP step with one host read: acceptance on the device (greedy, or rejection sampling with each
-        request's generator), the proposer's passes launched from it, then the emitted tokens and accepted
+        """The MTP step with one host read: acceptance on the device (against the argmax, or each sampled
+        request's keyed draws), the proposer's passes launched from it, then the emitted tokens and accepted
         counts read back (queued before the passes, so the read waits for nothing more than the drafts' own
         read did). The host checks a greedy seq's count against ``accept_greedy`` on the same argmax."""
         rows = target.all_rows()
-        verdict = self._verdict(seqs, target)
+        verdict = self._verdict(seqs, plan, target)
         # the logprobs of every verify row's argmax, queued before the drafts; the accepted rows' are kept
         logprobs = StepLogprobs.launch(rows, verdict.target_ids, verdict.rows_per_seq,
                                        [s.request.params.logprobs for s in seqs])
@@ -458,8 +478,7 @@ class LLMEngine:
         without a proposal (drafting paused) verifies none next."""
         for s, p in zip(seqs, proposals):
             if s.request.finish_reason is None:
-                s.request.drafts, s.request.draft_probs = ((self.proposer.drafts(s.request, p), p.probs)
-                                                           if p is not None else ([], None))
+                s.request.drafts = self.proposer.drafts(s.request, p) if p is not None else []
 
     @staticmethod
     def _greedy_ids(logits: list[torch.Tensor | None], target: TargetOutput) -> list[list[int] | None]:
@@ -477,9 +496,9 @@ class LLMEngine:
         return out
 
     def _verify_sampled(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
+        """The host's verify of a sampled seq (settled: its position is the request's length)."""
         req = s.request
-        return accept_sampled(logits, list(s.drafts), req.draft_probs if s.drafts else None, req.params,
-                              req.generator)
+        return accept_sampled(logits, list(s.drafts), req.params, req.key, req.num_tokens)
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None and req.params.detokenize else None

@@ -17,33 +17,29 @@ import torch
 
 from ..transfer import HostCopy, to_device
 from .runner import DraftTokens
-from .sampler import greedy_tokens, probs_from_logits, sample
+from .sampler import greedy_tokens, sample_rows
 from .scheduler import ScheduledSeq
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """One request's drafts for its next step; ``probs`` [k, V] the distributions sampled drafts were drawn
-    from (None for greedy requests): rejection sampling needs them at verification."""
+    """One request's drafts for its next step."""
 
     tokens: tuple[int, ...]
-    probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class DeviceProposals:
     """Every sampling seq's drafts for its next step, left on the device (``propose_on_device``): the engine may
-    launch that step before the host reads them. ``probs[b]`` [k, V]: the q sampled seq b's drafts were drawn
-    from."""
+    launch that step before the host reads them."""
 
     drafts: DraftTokens  # one row per sampling seq, in step order
-    probs: dict
     host: HostCopy | None  # drafts.tokens on their way to the host (None: no seq drafts)
 
     @staticmethod
-    def of(drafts: DraftTokens, probs: dict) -> DeviceProposals:
+    def of(drafts: DraftTokens) -> DeviceProposals:
         """Queue the drafts' copy to the host now (the engine reads it after launching the next step)."""
-        return DeviceProposals(drafts, probs, HostCopy(drafts.tokens) if drafts.tokens is not None else None)
+        return DeviceProposals(drafts, HostCopy(drafts.tokens) if drafts.tokens is not None else None)
 
     def read(self) -> list[list[int]]:
         """Per seq, its drafts on the host ([] for a seq that does not sample); waits for their copy only."""
@@ -105,42 +101,41 @@ class MtpProposer(Proposer):
         if target.step is not None:
             tokens = self._from_step_graph(seqs, target).read()
             return [Proposal(tuple(t)) for t in tokens]
-        drafts, probs = self._draft(seqs, plan, target, accepted, drafting)
-        tokens = drafts.tolist()
-        return [Proposal(tuple(tokens[b]), probs.get(b)) if drafting[b] else None for b in range(len(seqs))]
+        tokens = self._draft(seqs, plan, target, accepted, drafting).tolist()
+        return [Proposal(tuple(tokens[b])) if drafting[b] else None for b in range(len(seqs))]
 
     def propose_on_device(self, seqs, plan, target, verdict, drafting) -> DeviceProposals:
         if target.step is not None:
             return self._from_step_graph(seqs, target)
-        drafts, probs = self._draft(seqs, plan, target, verdict, drafting)
-        return DeviceProposals.of(drafts, probs)
+        return DeviceProposals.of(self._draft(seqs, plan, target, verdict, drafting))
 
     def _from_step_graph(self, seqs, target) -> DeviceProposals:
         """The drafts the step's graph computed (every seq samples greedily), read from its one host copy; none
         from a keep-up bucket's step (drafting paused)."""
         if target.step.drafts.shape[1] == 0:
-            return DeviceProposals(DraftTokens(len(seqs), (), None, target.step.new_lens[:len(seqs)]), {}, None)
-        return DeviceProposals(self.runner.step_graph_drafts(target, len(seqs)), {},
+            return DeviceProposals(DraftTokens(len(seqs), (), None, target.step.new_lens[:len(seqs)]), None)
+        return DeviceProposals(self.runner.step_graph_drafts(target, len(seqs)),
                                target.step.drafts_host(len(seqs)))
 
-    def _draft(self, seqs, plan, target, accepted, drafting) -> tuple[DraftTokens, dict]:
-        probs: dict[int, list[torch.Tensor]] = {}
-        drafts = self.runner.propose(seqs, plan, target, accepted, drafting, self.draft_len,
-                                     lambda rows, j, logits: choose_drafts(seqs, rows, logits, probs))
-        return drafts, {b: torch.stack(q) for b, q in probs.items()}
+    def _draft(self, seqs, plan, target, accepted, drafting) -> DraftTokens:
+        return self.runner.propose(seqs, plan, target, accepted, drafting, self.draft_len,
+                                   lambda rows, logits, positions: choose_drafts(seqs, rows, logits, positions))
 
 
 def choose_drafts(seqs: Sequence[ScheduledSeq], rows: Sequence[int], logits: torch.Tensor,
-                  keep: dict) -> torch.Tensor:
+                  positions) -> torch.Tensor:
     """Draft tokens [len(rows)] on the device from the MTP logits [len(rows), V] of batch rows ``rows``: greedy
-    requests take the argmax, sampled ones draw from q (kept in ``keep[b]`` for verification)."""
+    requests take the argmax; sampled ones draw from the MTP layer's q with the noise the target's draw at the
+    same position will use (``sampler.sample_rows``; ``positions()`` gives the drafts' positions [len(rows)],
+    asked only then), so a draft is the target's token whenever the two races agree."""
     out = greedy_tokens(logits)
-    for i, b in enumerate(rows):
-        req = seqs[b].request
-        if not req.params.greedy:
-            q = probs_from_logits(logits[i:i + 1], req.params)
-            keep.setdefault(b, []).append(q[0])
-            out[i:i + 1] = sample(q, req.generator)
+    drawn = [i for i, b in enumerate(rows) if not seqs[b].request.params.greedy]
+    if drawn:
+        at = to_device(drawn, logits.device)
+        reqs = [seqs[rows[i]].request for i in drawn]
+        pos = positions()
+        pos = (pos if isinstance(pos, torch.Tensor) else to_device(list(pos), logits.device))[at]
+        out[at] = sample_rows(logits[at], [r.params for r in reqs], [r.key for r in reqs], pos)
     return out
 
 
@@ -236,7 +231,7 @@ class KnownAnswerProposer(Proposer):
         truth = table[key, index.clamp(0, table.shape[1] - 1)]
         ok &= truth >= 0
         tokens = torch.where(ok, torch.where(self._right(key, index), truth, (truth + 1) % self.vocab), d.tokens)
-        return DeviceProposals.of(DraftTokens(d.num_seqs, d.active, tokens, d.new_lens), p.probs)
+        return DeviceProposals.of(DraftTokens(d.num_seqs, d.active, tokens, d.new_lens))
 
 
 def _base(engine) -> Proposer | None:

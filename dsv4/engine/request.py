@@ -25,8 +25,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .sampling_params import SamplingParams
 
 PENDING = -1  # the id of a token sampled on the device and not read back yet
@@ -52,7 +50,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    key: int = 0  # the request's sampling key (sampler.request_key: its seed folded to 32 bits, or random)
     eos_token_id: int | None = None
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -63,7 +61,6 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # mirror of the cache's committed length, reset on preemption
     drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [k, V] q of each draft (sampling only)
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_pending: int = 0  # sampled tokens still on the device (overlap scheduler), after output_ids
@@ -158,6 +155,5 @@ class Request:
         """Preemption by recompute: forget the cache rows; the tokens so far become the new prompt's work."""
         self.num_computed = 0
         self.drafts = []
-        self.draft_probs = None
         self.status = Status.WAITING
         self.num_preemptions += 1

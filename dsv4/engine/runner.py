@@ -36,6 +36,12 @@ class DraftInputs:
     new_lens: tuple[int, ...] | torch.Tensor  # per request: committed length after acceptance
     active: tuple[int, ...]  # batch rows that draft
 
+    def positions(self, j: int) -> list[int] | torch.Tensor:
+        """The sequence positions of draft j (1-based) of the active rows: ``new_lens`` + j."""
+        if isinstance(self.new_lens, torch.Tensor):
+            return self.new_lens[to_device(list(self.active), self.new_lens.device)] + j
+        return [self.new_lens[b] + j for b in self.active]
+
 
 def target_inputs(seqs: Sequence[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
     """(token ids, logit rows, logit rows per seq): every sampled seq's verify rows (its last row when it
@@ -438,16 +444,17 @@ class ModelRunner:
     @torch.no_grad()
     def propose(self, seqs: list[ScheduledSeq], plan, target: TargetOutput,
                 num_accepted: list[int] | DeviceVerdict, drafting: list[bool], draft_len: int,
-                choose: Callable[[list[int], int, torch.Tensor], list[int]]) -> DraftTokens:
+                choose: Callable[[list[int], torch.Tensor, Callable], torch.Tensor]) -> DraftTokens:
         """MTP drafts for every seq with ``drafting`` set, after ``num_accepted`` rows of each seq's step were
-        accepted (host counts, or a verdict still on the device). ``choose(seq_indices, step, logits [A, V]) -> tokens``
-        turns the MTP logits of those seqs into draft tokens on the device (argmax, or samples whose q the
-        caller keeps); they feed the next pass there, and stay there (``DraftTokens.tolist`` reads them)."""
+        accepted (host counts, or a verdict still on the device). ``choose(seq_indices, logits [A, V],
+        positions) -> tokens`` turns the MTP logits of those seqs into draft tokens on the device (argmax, or
+        keyed draws; ``positions()`` the drafts' sequence positions); they feed the next pass there, and stay
+        there (``DraftTokens.tolist`` reads them)."""
         inp = draft_inputs_for(seqs, plan, num_accepted, drafting)
         chosen: list[torch.Tensor] = []
 
         def pick(j, logits_fn):
-            toks = choose(list(inp.active), j, logits_fn())
+            toks = choose(list(inp.active), logits_fn(), lambda: inp.positions(j))
             chosen.append(toks)
             return toks
 

@@ -1,8 +1,9 @@
-"""Turning logits into tokens: temperature, top-k, top-p, per-request seeded generators; and the logprobs of
-the tokens chosen."""
+"""Turning logits into tokens: temperature, top-k, top-p, draws keyed by each request's seed and the token's
+position (the same draw whether MTP drafts or not); and the logprobs of the tokens chosen."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -44,18 +45,66 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return best * (V // ARGMAX_CHUNKS) + idx.gather(1, best[:, None]).squeeze(1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of [R, V] probabilities -> [R] token ids."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+# ---- draws keyed by position -------------------------------------------------------------------------------
+# A sampled request draws the token at sequence position t from its distribution p there as argmax(p / E), E a
+# vector of Exp(1) noise that depends only on the request's key and t (the exponential race: the token is
+# distributed as p). The draw is then a function of (key, t, p): the same whether MTP drafts or not, whatever
+# the drafts, the batch, the drafting pause or the overlap scheduler. MTP verifies a sampled request's drafts
+# as a greedy one's, against these draws, and drafts with the same noise (argmax(q / E) at the draft's
+# position), so a draft is accepted when the MTP layer's race and the target's pick the same token.
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
 
 
-def make_generator(seed: int | None, device) -> torch.Generator:
-    g = torch.Generator(device=device)
+def request_key(seed: int | None) -> int:
+    """A request's 32-bit sampling key: its seed folded to 32 bits, or random bits when it has none."""
     if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g
+        return secrets.randbits(32)
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return (s ^ (s >> 32)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two xor-shift-multiply rounds and a final xor-shift) of int64 values in
+    [0, 2**32), elementwise; every product stays below 2**59, so int64 never overflows."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def race_noise(keys: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """[R, V] float32 Exp(1) noise of row r: a function of (keys[r], positions[r]) and the token id only,
+    from 24-bit uniforms (u in (0, 1), never 0 or 1)."""
+    keys, positions = keys.to(torch.int64), positions.to(device=keys.device, dtype=torch.int64)
+    row = _mix32(keys ^ _mix32(positions & _M32))
+    h = _mix32((row[:, None] + torch.arange(V, device=keys.device, dtype=torch.int64) * _GOLDEN) & _M32)
+    return -torch.log(((h >> 8).to(torch.float32) + 0.5) * 2.0 ** -24)
+
+
+def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One draw per row of [R, V] probabilities -> [R] token ids: argmax(p / E), E ``race_noise`` of the row's
+    key and position (the position of the token drawn)."""
+    if probs.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=probs.device)
+    return (probs.float() / race_noise(keys, positions, probs.shape[-1])).argmax(-1)
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int],
+                positions: torch.Tensor) -> torch.Tensor:
+    """``sample_keyed`` over [R, V] logit rows, row r with its request's sampling parameters ``params[r]``
+    (temperature, top-k, top-p), key ``keys[r]`` and the position ``positions[r]`` (device or host) of the
+    token it draws."""
+    if logits.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=logits.device)
+    probs, i = [], 0
+    while i < len(params):  # rows of one request (the same parameters) in one call
+        j = i + 1
+        while j < len(params) and params[j] is params[i]:
+            j += 1
+        probs.append(probs_from_logits(logits[i:j], params[i]))
+        i = j
+    return sample_keyed(torch.cat(probs), to_device(list(keys), logits.device),
+                        positions if isinstance(positions, torch.Tensor) else to_device(list(positions), logits.device))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples as greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs)
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # 64 bits, signed or unsigned (sampler.request_key folds them to 32)
 
 
 def is_int(x) -> bool:

@@ -1,10 +1,12 @@
 """Speculative decoding's accept step and its statistics.
 
-One MTP layer proposes k draft tokens; the target verifies all of them in one forward (k+1 rows).
-Greedy: accept the longest prefix of drafts equal to the target's argmax, plus the target's token after it
-(the bonus). Sampling: standard rejection sampling against the draft's own distribution q — accept d_j with
-probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample from norm(max(0, p_j - q_j)); if all
-are accepted sample the bonus from p_{k+1}. The emitted tokens are then distributed exactly as the target's.
+One MTP layer proposes k draft tokens; the target verifies all of them in one forward (k+1 rows). Every verify
+row j has the target's own token for its position: the argmax for a greedy request, for a sampled one the
+draw keyed by the request's key and that position (``sampler.sample_keyed``: the token MTP off draws there).
+The drafts are accepted while they equal those tokens; the seq emits the accepted drafts, then the target's
+token at the first row that differs (or at the last row: the bonus). A sampled request's tokens are therefore
+MTP off's, not only distributed as the target's; its drafts are drawn with the same keyed noise
+(``proposer.choose_drafts``), so a draft is accepted when the MTP layer's race and the target's agree.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Sequence
 import torch
 
 from ..transfer import HostCopy, to_device
-from .sampler import greedy_tokens, probs_from_logits, sample
+from .sampler import greedy_tokens, sample_rows
 from .sampling_params import SamplingParams
 
 
@@ -30,30 +32,22 @@ def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
-def draft_accepted(u: torch.Tensor, q_d: torch.Tensor, p_d: torch.Tensor) -> torch.Tensor:
-    """The acceptance rule of rejection sampling, elementwise: draft d (drawn from q) is accepted with
-    probability min(1, p(d) / q(d)), i.e. when a uniform draw u has u q(d) <= p(d)."""
-    return (q_d > 0) & (u * q_d <= p_d)
+def draft_accepted(target: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The acceptance rule of a sampled request's drafts, elementwise: a draft is accepted where it is the
+    target's own draw at its row (-1, no draft, never is)."""
+    return target == drafts
 
 
-def accept_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                   sp: SamplingParams, generator: torch.Generator) -> list[int]:
-    """Rejection sampling. target_logits: [k+1, V]; draft_probs: [k, V] (q of each draft) or None if k=0."""
-    p = probs_from_logits(target_logits, sp)  # [k+1, V]
-    out = []
-    for j, d in enumerate(drafts):
-        q = draft_probs[j]
-        u = torch.rand((), generator=generator, device=p.device)
-        if bool(draft_accepted(u, q[d], p[j, d])):
-            out.append(d)
-            continue
-        residual = (p[j] - q).clamp(min=0)
-        mass = residual.sum()
-        residual = residual / mass if mass > 0 else p[j]
-        out.append(int(sample(residual.unsqueeze(0), generator)))
-        return out
-    out.append(int(sample(p[len(drafts)].unsqueeze(0), generator)))
-    return out
+def accept_sampled(target_logits: torch.Tensor, drafts: list[int], sp: SamplingParams, key: int,
+                   position: int) -> list[int]:
+    """The host's verify of a sampled request: target_logits [k+1, V] at its verify rows, the first of which
+    draws the token at sequence ``position``. Returns the emitted tokens (the accepted drafts, then the
+    target's draw at the first row that rejects, or the bonus)."""
+    k = len(drafts)
+    t = sample_rows(target_logits, [sp] * (k + 1), [key] * (k + 1), range(position, position + k + 1))
+    ok = draft_accepted(t[:k], torch.tensor(drafts, dtype=torch.long, device=t.device))
+    a = int(ok.long().cumprod(0).sum()) if k else 0
+    return list(drafts[:a]) + [int(t[a])]
 
 
 @dataclass(frozen=True)
@@ -92,7 +86,8 @@ class DeviceVerdict:
         return ids, flat[at_rows:at_rows + B], drafts
 
 
-def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor | None = None) -> DeviceVerdict:
+def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> DeviceVerdict:
     """Verification of every seq of a step at once, on the device, with no host read. ``logits`` [R, V]: the
     verify rows of the seqs that sample (``len(drafts) + 1`` each), seqs in order. ``inputs`` [N]: the step's
     input ids on the device; the drafts are read from them (each seq's last ``len(drafts)`` inputs), so drafts
@@ -101,8 +96,9 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
 
     Greedy seqs (``accept_greedy``): the accepted drafts are the index of the first verify row whose argmax
     differs from the draft that row checks; the last row checks none (-1 never matches), so the count stops at
-    the number of drafts. Sampled seqs: ``rejection_sample_on_device`` with the request's generator; their
-    ``target_ids`` rows hold the emitted tokens (the accepted drafts, then the resampled or bonus token)."""
+    the number of drafts. Sampled seqs the same, against their keyed draws (``sampler.sample_rows``;
+    ``positions`` [R]: the sequence position each row draws, on the device; needed when a seq samples); their
+    ``target_ids`` rows hold the emitted tokens (the accepted drafts, then the draw after them)."""
     G = greedy_tokens(logits)
     checks, seq_of, local, counts, fixed, start = [], [], [], [], [], 0
     sampled, first_row = [], []  # the seqs that sample, and where their verify rows start
@@ -129,19 +125,26 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
     sampled_t, first_t = t[3 * R + B:3 * R + B + S], t[3 * R + B + S:]
     if inputs is not None:
         chk = torch.where(chk >= 0, inputs[chk.clamp(min=0)], -1)
-    first_miss = torch.where(G != chk, loc, R + 1)
+    drawn, params, keys, off = [], [], [], 0  # the verify rows of the seqs that sample with a temperature
+    for s, n in zip(seqs, counts):
+        if n and not s.request.params.greedy:
+            drawn += range(off, off + n)
+            params += [s.request.params] * n
+            keys += [s.request.key] * n
+        off += n
+    T = G
+    if drawn:
+        if positions is None:
+            raise ValueError("accept_on_device: seqs that sample with a temperature need the rows' positions")
+        at = to_device(drawn, logits.device)
+        T = G.clone()
+        T[at] = sample_rows(logits[at], params, keys, positions[at])
+    first_miss = torch.where(draft_accepted(T, chk), R + 1, loc)
     a = torch.full((B,), R + 1, dtype=torch.long, device=logits.device)
     a = a.scatter_reduce(0, seq, first_miss, "amin")
     a = torch.where(a > R, 0, a)  # a seq without verify rows
-    off = 0
-    for b, (s, n) in enumerate(zip(seqs, counts)):
-        req = s.request
-        if n and not req.params.greedy:
-            drafts = chk[off:off + n - 1]
-            a[b], G[off:off + n] = rejection_sample_on_device(
-                probs_from_logits(logits[off:off + n], req.params), req.draft_probs if n > 1 else None, drafts,
-                req.generator)
-        off += n
+    if drawn:  # a sampled seq emits its accepted drafts, then its draw (a greedy seq's accepted rows: the same)
+        G = torch.where(loc < a[seq], chk, T)
     rows = kept + a
     return DeviceVerdict(G, a, rows, tuple(counts), HostCopy(torch.cat([G, rows, chk])), G[first_t + a[sampled_t]])
 
@@ -169,33 +172,6 @@ def verdict_of_step_graph(out, num_seqs: int) -> DeviceVerdict:
     return DeviceVerdict(out.target_ids[:num_seqs * k1], out.accepted_drafts[:num_seqs],
                          out.accepted_rows[:num_seqs], (k1,) * num_seqs, out.host, out.last_ids[:num_seqs],
                          offsets=(at_rows, at_checks))
-
-
-def rejection_sample_on_device(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
-                               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``accept_sampled`` without a host read: p [k+1, V] the target's distributions at the verify rows, q
-    [k, V] the drafts' (None when k = 0), drafts [k]. Draws k uniforms at once (not one per draft until the
-    first rejection, as the host version: the same distribution, another use of the generator), accepts the
-    longest prefix ``draft_accepted`` passes, then draws the token after it from norm(max(0, p - q)) at the
-    first rejection, or from p at the bonus row (q is taken as 0 there, so one formula serves both). Returns
-    (accepted drafts [] long, the emitted token at each of the k+1 rows [k+1]: drafts, then the drawn token)."""
-    k, V = drafts.shape[0], p.shape[1]
-    if k:
-        u = torch.rand(k, generator=generator, device=p.device)
-        ok = draft_accepted(u, q.gather(1, drafts[:, None])[:, 0], p[:k].gather(1, drafts[:, None])[:, 0])
-        a = ok.long().cumprod(0).sum()
-        q = torch.cat([q.float(), q.new_zeros(1, V, dtype=torch.float32)])
-    else:
-        a = torch.zeros((), dtype=torch.long, device=p.device)
-        q = p.new_zeros(1, V)
-    at = a.view(1)
-    p_a, q_a = p.index_select(0, at)[0], q.index_select(0, at)[0]
-    residual = (p_a - q_a).clamp(min=0)
-    mass = residual.sum()
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(residual.dtype).tiny), p_a)
-    x = sample(residual[None], generator)  # [1]
-    rows = torch.arange(k + 1, device=p.device)
-    return a, torch.where(rows < a, torch.cat([drafts, drafts.new_zeros(1)]), x)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, bool]]:
 def run_warmup(engine) -> list[str]:
     """Run every path; the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
     both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
-    request (the separate graphs, rejection sampling on the device)."""
+    request (the separate graphs, keyed draws verified on the device)."""
     done = []
     for name, prompt_lens, max_tokens, with_sampled, paused in warmup_paths(engine):
         ids = []

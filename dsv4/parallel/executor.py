@@ -314,7 +314,8 @@ class DistributedRunner(LaneRunner):
                 got = gather_lanes(coll, lane_logits[0], [len(i.active) for i in inps], self.model.cfg.vocab_size,
                                    self.device)
                 lane_logits += got[1:]
-            chosen = [choose([lane_idx[lane][b] for b in inp.active], j, lane_logits[lane]).to(torch.long)
+            chosen = [choose([lane_idx[lane][b] for b in inp.active], lane_logits[lane],
+                             lambda inp=inp: inp.positions(j)).to(torch.long)
                       if inp.active else torch.zeros(0, dtype=torch.long, device=self.device)
                       for lane, inp in enumerate(inps)]
             flat = torch.cat(chosen)
