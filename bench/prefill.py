@@ -61,8 +61,9 @@ def main():
                     help="torch: prefill attention in plain torch (the kernels' twin), for the ratio")
     ap.add_argument("--moe-rows", type=int, default=0, choices=[0, 16],
                     help="16: the grouped MoE keeps row blocks of 16 at every size (the earlier prefill), for the ratio")
-    ap.add_argument("--grouped-mm", action="store_true",
-                    help="the routed experts' prefill GEMMs on torch._grouped_mm (moe.GROUPED_MM) instead of the Triton kernel")
+    ap.add_argument("--grouped-mm", default="on", choices=["on", "off"],
+                    help="off: the routed experts' prefill GEMMs on the Triton kernel instead of torch._grouped_mm"
+                         " (moe.GROUPED_MM), for the ratio")
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
     ap.add_argument("--prefill-graph-sizes", type=int, nargs="*", default=None,
@@ -74,10 +75,10 @@ def main():
         from dsv4.kernels import moe
 
         moe.block_m_for = lambda *a, **k: args.moe_rows
-    if args.grouped_mm:
+    if args.grouped_mm == "off":
         from dsv4.kernels import moe
 
-        moe.GROUPED_MM = True  # before the engine is built: its prefill graphs capture the path
+        moe.GROUPED_MM = False  # before the engine is built: its prefill graphs capture the path
     llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_batch_size=1,
               max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
               kv_cache_config={"free_gpu_memory_fraction": 0.5}, attention_backend=args.attention_backend,
@@ -99,7 +100,7 @@ def main():
     report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}, attention {args.attention_backend}, "
            f"experts {args.expert_format}, linears {args.linear_format}"
            + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else "")
-           + (", experts on torch._grouped_mm" if args.grouped_mm else "")
+           + ("" if args.grouped_mm == "on" else ", experts' prefill GEMMs on the Triton kernel")
            + f", prefill graphs {graphs.prefill_tokens if graphs is not None else None}",
            text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")

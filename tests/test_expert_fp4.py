@@ -228,7 +228,7 @@ def test_prefill_experts_on_the_library_grouped_mm_equal_the_triton_layouts_twin
     keep = (torch.rand(N, k, generator=g) < 0.6) if keep_some else None
     assert moe.block_m_for(N * k, E) == moe.PREFILL_BLOCK_M
     twin = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
-    assert not moe.use_grouped_mm(x, N * k, E, False, False)  # off by default, and never off the GPU
+    assert moe.GROUPED_MM and not moe.use_grouped_mm(x, N * k, E, False, False)  # on, but never off the GPU
     taken = []
     monkeypatch.setattr(moe, "use_grouped_mm", lambda *a: taken.append(a) or moe.block_m_for(*a[1:3]) > moe.BLOCK_M)
     lib = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
