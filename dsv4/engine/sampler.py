@@ -81,12 +81,18 @@ def race_noise(keys: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Ten
     return -torch.log(((h >> 8).to(torch.float32) + 0.5) * 2.0 ** -24)
 
 
+KEYED_ROWS = 32  # rows of noise made at once: a few [32, V] int64 temporaries (33 MB each at V = 129k)
+
+
 def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One draw per row of [R, V] probabilities -> [R] token ids: argmax(p / E), E ``race_noise`` of the row's
-    key and position (the position of the token drawn)."""
-    if probs.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.long, device=probs.device)
-    return (probs.float() / race_noise(keys, positions, probs.shape[-1])).argmax(-1)
+    key and position (the position of the token drawn); KEYED_ROWS rows at a time."""
+    R, V = probs.shape
+    out = torch.empty(R, dtype=torch.long, device=probs.device)
+    for i in range(0, R, KEYED_ROWS):
+        j = min(R, i + KEYED_ROWS)
+        out[i:j] = (probs[i:j].float() / race_noise(keys[i:j], positions[i:j], V)).argmax(-1)
+    return out
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int],
