@@ -15,8 +15,10 @@ rng = random.Random(22)
 prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (3, 40, 150, 9)]
 runs = []
 for whole in (False, True):
-    DeepseekV4.mtp_keep_up = (lambda self, X, ids, backend: self.mtp_streams(X, ids, backend)) if whole else real
-    llm = LLM("tiny", device=sys.argv[1] if len(sys.argv) > 1 else "cuda", dtype="fp32", max_batch_size=8, max_num_tokens=128, max_seq_len=512,
+    DeepseekV4.mtp_keep_up = ((lambda self, X, ids, backend: self.mtp_streams(X, ids, backend)) if whole
+                              else real)
+    llm = LLM("tiny", device=sys.argv[1] if len(sys.argv) > 1 else "cuda", dtype="fp32", max_batch_size=8,
+              max_num_tokens=128, max_seq_len=512,
               kv_cache_config={"max_tokens": 8192},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]})

@@ -230,13 +230,14 @@ def test_prefill_experts_on_the_library_grouped_mm_equal_the_triton_layouts_twin
     twin = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
     assert moe.GROUPED_MM and not moe.use_grouped_mm(x, N * k, E, False, False)  # on, but never off the GPU
     taken = []
-    monkeypatch.setattr(moe, "use_grouped_mm", lambda *a: taken.append(a) or moe.block_m_for(*a[1:3]) > moe.BLOCK_M)
+    monkeypatch.setattr(moe, "use_grouped_mm",
+                        lambda *a: taken.append(a) or moe.block_m_for(*a[1:3]) > moe.BLOCK_M)
     lib = moe.grouped_experts(x, w, ids, w1, w2, w3, 10.0, keep=keep)
     assert taken and lib.dtype == twin.dtype == torch.float32
     assert torch.allclose(lib, twin, rtol=2e-2, atol=2e-2 * twin.abs().max().item())
-    ref = torch.einsum("nk,nki,nkdi->nd", w.double() * (keep if keep is not None else 1),
-                       torch.nn.functional.silu(torch.einsum("nd,nkid->nki", x.double(), w1[ids].double()).clamp(max=10))
-                       * torch.einsum("nd,nkid->nki", x.double(), w3[ids].double()).clamp(-10, 10), w2[ids].double())
+    gate = torch.nn.functional.silu(torch.einsum("nd,nkid->nki", x.double(), w1[ids].double()).clamp(max=10))
+    up = torch.einsum("nd,nkid->nki", x.double(), w3[ids].double()).clamp(-10, 10)
+    ref = torch.einsum("nk,nki,nkdi->nd", w.double() * (keep if keep is not None else 1), gate * up, w2[ids].double())
     assert (lib.double() - ref).abs().max() < 3e-2 * ref.abs().max()
 
 

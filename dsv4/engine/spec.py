@@ -58,7 +58,7 @@ class DeviceVerdict:
     ``accept_greedy`` on the host gives the same answer from the same argmax; the engine checks that it does.
     """
 
-    target_ids: torch.Tensor  # [R] the target's argmax at every verify row, seqs in order
+    target_ids: torch.Tensor  # [R] per verify row, seqs in order: the argmax (a greedy seq), emitted tokens (sampled)
     accepted_drafts: torch.Tensor  # [B] drafts each seq accepted (0 for a seq that samples nothing)
     accepted_rows: torch.Tensor  # [B] rows of each seq's step that stay in the cache
     rows_per_seq: tuple[int, ...]  # verify rows of each seq (0: samples nothing)
