@@ -8,12 +8,15 @@ import torch
 
 def run_traced(eng, rids, rings: bool = False) -> list:
     """Step ``eng`` until it has no work; after each step every request's (drafts, output ids), and with ``rings``
-    a copy of every layer's window ring."""
+    a copy of every layer's window ring without its null slot (slot 0: the rows a step does not keep, padded
+    rows and a long chunk's early ones, are all written to its row 0; on a GPU which of them lands last is not
+    fixed, and nothing reads it)."""
     trace = []
+    S = eng.cache.layout.swa_cap
     while eng.has_unfinished_requests():
         eng.step()
         seen = [(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
-        trace.append((seen, [t.clone() for t in eng.storage.swa]) if rings else seen)
+        trace.append((seen, [t[S:].clone() for t in eng.storage.swa]) if rings else seen)
     return trace
 
 
