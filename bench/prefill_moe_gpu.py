@@ -81,9 +81,10 @@ def main():
         m_pad = r.shape[0]
         blocks = moe.active_blocks(m_pad, bm, N * k)
         h = torch.randn(blocks * bm, I, device="cuda", generator=g, dtype=torch.bfloat16)
+        offs = moe.segment_ends(be, E, bm, blocks)  # (once per MoE in the engine, for its three GEMMs)
         for name, w, gather, inp in (("w1 (d -> I)", w1, True, x), ("w2 (I -> d)", w2, False, h)):
             fn = (lambda w=w, inp=inp, gather=gather:  # noqa: E731
-                  moe.grouped_mm(inp[r[:blocks * bm].clamp(min=0)] if gather else inp, w, be, bm, blocks))
+                  moe.grouped_mm(inp[r[:blocks * bm].clamp(min=0)] if gather else inp, w, offs))
             err = check(fn(), inp, r, be, bm, w, gather, m_pad)
             ms = event_ms(fn)
             rows_out.append([N, bm, name, "torch._grouped_mm" + (", gather included" if gather else ""),

@@ -8,6 +8,8 @@ the dense reference model, and thousands of seeded requests through the engine w
 (chi-square), while a deliberately wrong acceptance rule must not.
 """
 
+import random
+
 import pytest
 import torch
 
@@ -94,8 +96,6 @@ def test_a_wrong_acceptance_rule_is_detected(small_vocab_dir, path, verify_path,
 
 
 def _sampled_workload(n: int, seed: int):
-    import random
-
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(1, 40))] for _ in range(n)]
     params = [SamplingParams(max_tokens=rng.randint(8, 30), ignore_eos=True, temperature=rng.choice([0.7, 1.0, 1.3]),

@@ -133,9 +133,7 @@ def choose_drafts(seqs: Sequence[ScheduledSeq], rows: Sequence[int], logits: tor
     if drawn:
         at = to_device(drawn, logits.device)
         reqs = [seqs[rows[i]].request for i in drawn]
-        pos = positions()
-        pos = (pos if isinstance(pos, torch.Tensor) else to_device(list(pos), logits.device))[at]
-        out[at] = sample_rows(logits[at], [r.params for r in reqs], [r.key for r in reqs], pos)
+        out[at] = sample_rows(logits[at], [r.params for r in reqs], [r.key for r in reqs], positions()[at])
     return out
 
 

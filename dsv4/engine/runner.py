@@ -36,11 +36,11 @@ class DraftInputs:
     new_lens: tuple[int, ...] | torch.Tensor  # per request: committed length after acceptance
     active: tuple[int, ...]  # batch rows that draft
 
-    def positions(self, j: int) -> list[int] | torch.Tensor:
-        """The sequence positions of draft j (1-based) of the active rows: ``new_lens`` + j."""
+    def positions(self, j: int, device) -> torch.Tensor:
+        """The sequence positions of draft j (1-based) of the active rows, ``new_lens`` + j, on ``device``."""
         if isinstance(self.new_lens, torch.Tensor):
             return self.new_lens[to_device(list(self.active), self.new_lens.device)] + j
-        return [self.new_lens[b] + j for b in self.active]
+        return to_device([self.new_lens[b] + j for b in self.active], device)
 
 
 def target_inputs(seqs: Sequence[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
@@ -454,7 +454,7 @@ class ModelRunner:
         chosen: list[torch.Tensor] = []
 
         def pick(j, logits_fn):
-            toks = choose(list(inp.active), logits_fn(), lambda: inp.positions(j))
+            toks = choose(list(inp.active), logits_fn(), lambda: inp.positions(j, self.device))
             chosen.append(toks)
             return toks
 

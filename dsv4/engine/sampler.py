@@ -98,7 +98,7 @@ def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tenso
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int],
                 positions: torch.Tensor) -> torch.Tensor:
     """``sample_keyed`` over [R, V] logit rows, row r with its request's sampling parameters ``params[r]``
-    (temperature, top-k, top-p), key ``keys[r]`` and the position ``positions[r]`` (device or host) of the
+    (temperature, top-k, top-p), key ``keys[r]`` and the position ``positions[r]`` (on the device) of the
     token it draws."""
     if logits.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=logits.device)
@@ -109,8 +109,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Se
             j += 1
         probs.append(probs_from_logits(logits[i:j], params[i]))
         i = j
-    return sample_keyed(torch.cat(probs), to_device(list(keys), logits.device),
-                        positions if isinstance(positions, torch.Tensor) else to_device(list(positions), logits.device))
+    return sample_keyed(torch.cat(probs), to_device(list(keys), logits.device), positions)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def accept_sampled(target_logits: torch.Tensor, drafts: list[int], sp: SamplingP
     draws the token at sequence ``position``. Returns the emitted tokens (the accepted drafts, then the
     target's draw at the first row that rejects, or the bonus)."""
     k = len(drafts)
-    t = sample_rows(target_logits, [sp] * (k + 1), [key] * (k + 1), range(position, position + k + 1))
+    t = sample_rows(target_logits, [sp] * (k + 1), [key] * (k + 1),
+                    torch.arange(position, position + k + 1, device=target_logits.device))
     ok = draft_accepted(t[:k], torch.tensor(drafts, dtype=torch.long, device=t.device))
     a = int(ok.long().cumprod(0).sum()) if k else 0
     return list(drafts[:a]) + [int(t[a])]
@@ -102,9 +103,14 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
     G = greedy_tokens(logits)
     checks, seq_of, local, counts, fixed, start = [], [], [], [], [], 0
     sampled, first_row = [], []  # the seqs that sample, and where their verify rows start
+    drawn, params, keys = [], [], []  # the verify rows of the seqs that sample with a temperature
     for b, s in enumerate(seqs):
         d = len(s.drafts) if s.sample else 0
         n = d + 1 if s.sample else 0
+        if n and not s.request.params.greedy:
+            drawn += range(len(seq_of), len(seq_of) + n)
+            params += [s.request.params] * n
+            keys += [s.request.key] * n
         # the draft verify row j checks: a draft id, or (from ``inputs``) the step position holding it; -1: none
         checks += (list(s.drafts[:d]) if inputs is None else list(range(start + s.num_new - d, start + s.num_new)))
         checks += [-1] * (n - d)
@@ -125,13 +131,6 @@ def accept_on_device(seqs: Sequence, logits: torch.Tensor, inputs: torch.Tensor 
     sampled_t, first_t = t[3 * R + B:3 * R + B + S], t[3 * R + B + S:]
     if inputs is not None:
         chk = torch.where(chk >= 0, inputs[chk.clamp(min=0)], -1)
-    drawn, params, keys, off = [], [], [], 0  # the verify rows of the seqs that sample with a temperature
-    for s, n in zip(seqs, counts):
-        if n and not s.request.params.greedy:
-            drawn += range(off, off + n)
-            params += [s.request.params] * n
-            keys += [s.request.key] * n
-        off += n
     T = G
     if drawn:
         if positions is None:

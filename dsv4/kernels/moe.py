@@ -65,17 +65,21 @@ def use_grouped_mm(x: torch.Tensor, num_pairs: int, num_experts: int, invariant:
             and block_m_for(num_pairs, num_experts) > BLOCK_M)
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor, block_m: int,
-               blocks: int) -> torch.Tensor:
-    """[blocks * block_m, n]: row block b of ``a`` (rows already in the sorted layout) times w[e].T for its
-    expert e = block_expert[b], as one torch._grouped_mm. The segment ends come from the block table on the
-    device (no host sync): expert e's segment is its blocks, the experts in order. Rows of the trailing
-    blocks of no expert (-1) are outside every segment and are left as the library leaves them (never read)."""
+def segment_ends(block_expert: torch.Tensor, num_experts: int, block_m: int, blocks: int) -> torch.Tensor:
+    """[E] int32, for torch._grouped_mm's ``offs``: the row after expert e's segment of the sorted layout, from
+    the block table on the device (no host sync): expert e's segment is its blocks, the experts in order. Rows
+    of the trailing blocks of no expert (-1) are outside every segment."""
     be = block_expert[:blocks]
-    per = torch.zeros(w.shape[0], dtype=torch.int32, device=a.device)
+    per = torch.zeros(num_experts, dtype=torch.int32, device=be.device)
     per.scatter_add_(0, be.clamp(min=0), (be >= 0).to(torch.int32))
-    offs = torch.cumsum(per, 0, dtype=torch.int32) * block_m
-    return torch._grouped_mm(a[:blocks * block_m], w.transpose(1, 2), offs=offs)
+    return torch.cumsum(per, 0, dtype=torch.int32) * block_m
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[rows of a, n]: each segment of ``a`` (rows already in the sorted layout, ``segment_ends``) times w[e].T
+    for its expert e, as one torch._grouped_mm; rows past the last segment are left as the library leaves
+    them (never read)."""
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
 
 
 def block_m_for(num_pairs: int, num_experts: int, invariant: bool = False, large: bool = False) -> int:
@@ -396,18 +400,18 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     s1, s2, s3 = scales if scales is not None else (None, None, None)
     r = blocks * bm  # rows past the active blocks are padding: never computed, never read
     if mm:  # the tokens' rows gathered once into the sorted layout, then three library grouped GEMMs
+        offs = segment_ends(block_expert, E, bm, blocks)
         xs = x[rows[:r].clamp(min=0)]
-        g, u = (grouped_mm(xs, w, block_expert, bm, blocks) for w in (w1, w3))
-        h = swiglu_to(g, u, limit, w_sorted[:r], x.dtype)
-        y = grouped_mm(h, w2, block_expert, bm, blocks)  # [r, d]: the combine reads the pairs' rows, all < r
-    elif gemm is _gemv and gemv_kernel.GATE_UP_FUSED:  # w1, w3 and the SwiGLU in one launch
-        h = gemv_kernel.fp4_gemv_gate_up(x, rows, w1, s1, w3, s3, block_expert, m_pad, bm, limit, w_sorted,
-                                         blocks=blocks)
+        h = swiglu_to(grouped_mm(xs, w1, offs), grouped_mm(xs, w3, offs), limit, w_sorted[:r], x.dtype)
+        y = grouped_mm(h, w2, offs)  # [r, d]: the combine reads the pairs' rows, all < r
     else:
-        g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
-        u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
-        h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
-    if not mm:
+        if gemm is _gemv and gemv_kernel.GATE_UP_FUSED:  # w1, w3 and the SwiGLU in one launch
+            h = gemv_kernel.fp4_gemv_gate_up(x, rows, w1, s1, w3, s3, block_expert, m_pad, bm, limit, w_sorted,
+                                             blocks=blocks)
+        else:
+            g = gemm(x, rows, w1, block_expert, True, m_pad, scale=s1, block_m=bm, blocks=blocks)  # [m_pad, I]
+            u = gemm(x, rows, w3, block_expert, True, m_pad, scale=s3, block_m=bm, blocks=blocks)
+            h = swiglu_to(g[:r], u[:r], limit, w_sorted[:r], x.dtype)  # routing weight before w2, as DeepSeek
         y = gemm(h, rows, w2, block_expert, False, m_pad, scale=s2, block_m=bm, blocks=blocks)  # [m_pad, d]
     add = add() if callable(add) else add  # Experts.forward's contract: a function is called just before adding
     if on(x):  # one kernel; the lines below are its twin

@@ -315,7 +315,7 @@ class DistributedRunner(LaneRunner):
                                    self.device)
                 lane_logits += got[1:]
             chosen = [choose([lane_idx[lane][b] for b in inp.active], lane_logits[lane],
-                             lambda inp=inp: inp.positions(j)).to(torch.long)
+                             lambda inp=inp: inp.positions(j, self.device)).to(torch.long)
                       if inp.active else torch.zeros(0, dtype=torch.long, device=self.device)
                       for lane, inp in enumerate(inps)]
             flat = torch.cat(chosen)
