@@ -36,6 +36,7 @@ import torch
 from ..cache.plan import DraftTables, PlanShape, expand_rows, padded_shape
 from ..transfer import HostCopy
 from .cuda_backend import CudaBackend, PrefillCudaBackend
+from .mtp_rows import MtpRows, one_request_keep, select
 from .resolved import GraphSpec
 from .sampler import greedy_tokens
 from .runner import uniform_draft_inputs
@@ -100,11 +101,12 @@ class _Bucket:
 
 class GraphRunner:
     def __init__(self, model, storage, spec: GraphSpec, capture: bool, whole_step: bool = True,
-                 keep_up: bool = False):
+                 keep_up: bool = False, tail_rows: bool = True):
         """``keep_up``: also the MTP layer's keep-up pass (``keep``: its window rows only), for the steps whose drafting
-        is paused (a runner of one row per request beside the main one, see ``build_graphs``)."""
+        is paused (a runner of one row per request beside the main one, see ``build_graphs``). ``tail_rows``: a
+        prefill bucket's MTP pass over its request's last swa_cap rows only (``ModelRunner.mtp_tail_rows``)."""
         self.model, self.storage = model, storage
-        self.keep_up = keep_up
+        self.keep_up, self.tail_rows = keep_up, tail_rows
         self.rows, self.enable_padding = spec.rows_per_seq, spec.enable_padding
         self.buckets = sorted(spec.buckets)
         self.max_entries, self.max_blocks = spec.max_entries, spec.max_blocks
@@ -192,8 +194,23 @@ class GraphRunner:
         return X, logits
 
     def _mtp_pass(self, tables, X, next_ids, prefill: bool = False):
-        X = self.model.mtp_streams(X, next_ids, self._backend(tables, prefill))
-        return X, None if prefill else self.model.mtp_logits_from_streams(X)
+        """-> (MTP streams, their logits (None in a prefill bucket), None or, where the pass ran over a prefill
+        bucket's last swa_cap rows only (``mtp_rows.py``), the subset row of each step row)."""
+        sub = self._tail(tables) if prefill else None
+        if sub is None:
+            X = self.model.mtp_streams(X, next_ids, self._backend(tables, prefill))
+            return X, None if prefill else self.model.mtp_logits_from_streams(X), None
+        backend = PrefillCudaBackend(self.storage, sub.positions, sub.swa_read, sub.swa_valid, sub.swa_write,
+                                     swa_step_base=self._swa_base)
+        return self.model.mtp_streams(sub.rows(X), sub.ids(next_ids), backend), None, sub.inv
+
+    def _tail(self, tables) -> MtpRows | None:
+        """A prefill bucket's MTP rows: its request's last swa_cap (None: the bucket holds no more)."""
+        cap, m = self.storage.layout.swa_cap, self.model
+        if not (self.tail_rows and m.has_mtp and m.mtp[0].keeps_up) or tables.positions.shape[0] <= cap:
+            return None
+        return select(tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write,
+                      one_request_keep(tables.num_new, cap), self._swa_base)
 
     def _mtp(self, bk: _Bucket):
         return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids, bk.prefill)
@@ -234,7 +251,7 @@ class GraphRunner:
             self.model.mtp_keep_up(X, inp.next_ids, self._backend(tables))
             packed = torch.cat([G, rows, checks.reshape(-1)])
             return StepGraphOut(X, logits, G, a, rows, last, G.new_zeros(B, 0), inp.new_lens, packed)
-        X_mtp, mtp_logits = self._mtp_pass(tables, X, inp.next_ids)
+        X_mtp, mtp_logits, _ = self._mtp_pass(tables, X, inp.next_ids)
         live = tables.draft_lens > 0
         tok = torch.where(live, greedy_tokens(mtp_logits[inp.picks]), 0)
         X_prev = torch.where(live[:, None, None], X_mtp[inp.picks], 0)
@@ -413,7 +430,7 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
     # (the whole-step graph only where acceptance stays on the device: not on the multi-rank driver or its ranks)
     capture = capture and runner.storage.device.type == "cuda"
     runner.graphs = GraphRunner(runner.model, runner.storage, spec, capture=capture,
-                                whole_step=runner.whole_step_graphs)
+                                whole_step=runner.whole_step_graphs, tail_rows=runner.mtp_tail_rows)
     with runner.pass_context():  # captured under the same GEMM row counts as the eager passes
         runner.graphs.prepare()
         if spec.keep_up and runner.pauses_drafting:

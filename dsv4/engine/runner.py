@@ -20,6 +20,7 @@ from ..model.rows import ROWS, fixed_rows
 from ..transfer import HostCopy, to_device
 from .backend import CachedBackend
 from .cuda_backend import CudaBackend, PrefillCudaBackend
+from .mtp_rows import MtpRows, host_keep, select
 from .request import PENDING
 from .scheduler import ScheduledSeq
 from .spec import DeviceVerdict
@@ -215,6 +216,9 @@ class ModelRunner:
     drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
     whole_step_graphs = True  # with MTP, a graph bucket also captures the whole greedy step (graphs.StepGraphOut)
     pauses_drafting = True  # the engine may pause MTP drafting (spec_pause.py): steps of one row, keep-up passes
+    # the MTP catch-up pass over the rows its window keeps only, the last swa_cap of each request (mtp_rows.py;
+    # not on several ranks, whose lanes' passes run in lockstep); False: over every row of the step
+    mtp_tail_rows = True
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
                  batch_invariant: bool = False):
@@ -272,6 +276,22 @@ class ModelRunner:
         if max(plan.num_new) <= self.max_step_rows:  # decode-like: the ring in place, written first
             return CudaBackend.for_step(plan, self.storage)
         return PrefillCudaBackend.for_step(plan, self.storage)
+
+    def _mtp_rows(self, plan) -> MtpRows | None:
+        """The rows the MTP catch-up pass of ``plan``'s step runs over when fewer than the step's (``mtp_rows.py``)."""
+        if not (self.mtp_tail_rows and self.model.has_mtp and self.model.mtp[0].keeps_up):
+            return None
+        keep = host_keep(plan.num_new, self.storage.layout.swa_cap)
+        if keep is None:
+            return None
+        return select(plan.positions, plan.swa_read, plan.swa_valid, plan.swa_write, keep, plan.swa_step_base)
+
+    def _rows_backend(self, plan, sub: MtpRows):
+        """The backend of a pass over ``sub``'s rows (up to swa_cap a request: the prefill path on the kernels)."""
+        args = (self.storage, sub.positions, sub.swa_read, sub.swa_valid, sub.swa_write)
+        if self.use_kernels:
+            return PrefillCudaBackend(*args, swa_step_base=plan.swa_step_base)
+        return CachedBackend(*args)
 
     def _draft_backend(self, plan, tables):
         if self.use_kernels:
@@ -370,23 +390,30 @@ class ModelRunner:
         model = self.model
         next_ids = self._padded(inp.next_ids, plan.shape.tokens)
         graphs = self._graphs_of(plan) if graphed else None
+        sub = None if graphed else self._mtp_rows(plan)  # (a prefill graph bucket selects its own)
+        if sub is not None:
+            X, next_ids, backend = sub.rows(X), sub.ids(next_ids), self._rows_backend(plan, sub)
+        else:
+            backend = None if graphed else self._backend(plan)
         if not any_active and (graphs.keep_up if graphs is not None else self.pauses_drafting):
             # nothing drafts: only the MTP layer's window rows (not on several ranks: every rank runs one pass)
             if graphs is not None:
                 graphs.keep(plan, next_ids)
             else:
-                model.mtp_keep_up(X, next_ids, self._backend(plan))
+                model.mtp_keep_up(X, next_ids, backend)
             return
         if graphed:
-            X_mtp, mtp_logits = graphs.mtp(plan, next_ids)
+            X_mtp, mtp_logits, inv = graphs.mtp(plan, next_ids)
         else:
-            X_mtp = model.mtp_streams(X, next_ids, self._backend(plan))
+            X_mtp, inv = model.mtp_streams(X, next_ids, backend), (None if sub is None else sub.inv)
         if not any_active:
             return
         active = list(inp.active)
         active_t = to_device(active, self.device)  # a plain copy here would wait for the target pass
         rows = (inp.picks[active_t] if isinstance(inp.picks, torch.Tensor)
                 else to_device([inp.picks[b] for b in active], self.device))
+        if inv is not None:  # step rows -> rows of the pass's subset (a draft's row is always kept)
+            rows = inv[rows]
         V = model.cfg.vocab_size
 
         def logits_of(Xs, all_logits, idx):

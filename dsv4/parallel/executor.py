@@ -166,6 +166,7 @@ class LaneRunner(ModelRunner):
 
     whole_step_graphs = False  # the driver reads acceptance on the host: no rank (nor the driver) runs a whole step
     pauses_drafting = False  # every rank runs the same passes: drafting is not paused on several devices
+    mtp_tail_rows = False  # (not tried on several ranks: their MTP passes run over every row of the step)
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
