@@ -56,6 +56,18 @@ def step_bytes(cfg, batch: int, context: int, elt: int = 2, expert_elt: float = 
             "kv": kv, "total": attn + weights + experts + head + kv}
 
 
+def mtp_step_ratio(cfg, batch: int, k: int, context: int, **precision) -> float:
+    """Bytes an MTP step of ``batch`` requests with ``k`` drafts reads (the verify pass of batch x (1 + k) rows,
+    which routes to more distinct experts, then k MTP passes of ``batch`` rows: one window-only layer, its e_proj
+    and h_proj, and the head) over the bytes of a decode step of ``batch`` rows. ``precision``: step_bytes'
+    element sizes. At the bandwidth floor, MTP's speed-up is at most (tokens a step) / this."""
+    d, elt = cfg.hidden_size, precision.get("elt", 2)
+    mtp_layer = cfg.replace(num_layers=1, compress_ratios=(0,))
+    mtp = step_bytes(mtp_layer, batch, context, **precision)["total"] + 2 * d * d * elt
+    verify = step_bytes(cfg, batch * (1 + k), context, **precision)["total"]
+    return (verify + k * mtp) / step_bytes(cfg, batch, context, **precision)["total"]
+
+
 def stored_bytes_per_expert_weight(model) -> float:
     """What the loaded model holds per routed-expert weight: its experts' tensors (packed bytes and scales
     included) over their number of weights."""

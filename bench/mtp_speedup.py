@@ -16,7 +16,7 @@ import statistics
 import torch
 
 from common import report, table, timed
-from decode_floor import add_switches, apply_switches
+from decode_floor import CHECKPOINT_FP4, STORED_FP8, add_switches, apply_switches, mtp_step_ratio
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
@@ -78,6 +78,9 @@ def main():
     if args.ks[0] != 0:
         ap.error("--ks must start with 0: MTP off is the reference (its tokens and its speed)")
     cfg = get_preset(args.preset)
+    # element sizes of the weights as this run stores them (decode_floor.step_bytes), for the bandwidth ceiling
+    precision = dict(expert_elt=CHECKPOINT_FP4 if args.expert_format == "fp4" else 2,
+                     fp8_elt=STORED_FP8 if args.linear_format == "fp8" else None)
     rng = random.Random(0)
     most = max(args.concurrency)
     prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(most)]
@@ -127,9 +130,12 @@ def main():
                 if isinstance(llm.engine.pause, DraftPause):  # (its counts since reset_stats: every timed run)
                     ps = llm.engine.pause.as_dict()
                     paused = f"{ps['num_paused_steps']} / {llm.engine.num_steps}"
+                tokens = st.get('mean_accepted_len', 1)
+                ceiling = (f"{tokens / mtp_step_ratio(cfg, c, k, args.prompt_len + args.gen // 2, **precision):.2f}x"
+                           if k else "-")
                 rows.append([c, k, label if k else "off", "on" if overlap else "off",
                              ("whole" if whole else "separate") if k else "-", pause, paused, speed,
-                             f"{speed / off_speed[c]:.2f}x",
+                             f"{speed / off_speed[c]:.2f}x", ceiling,
                              f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
                              f"{same:.3f}", first, gap])
                 print(rows[-1], flush=True)  # (a run stopped part way keeps its rows)
@@ -139,7 +145,7 @@ def main():
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     text = table(["concurrency", "k", "drafts", "overlap", "step graph", "drafting pause",
-                  "paused steps / steps", "output tok/s", "vs off", "acceptance",
+                  "paused steps / steps", "output tok/s", "vs off", "bandwidth ceiling", "acceptance",
                   "mean accepted len",
                   "tokens identical to MTP off", "first divergence",
                   "logit gap there (top-2 gap, median elsewhere)"], sorted(rows, key=lambda r: r[0]))
@@ -147,7 +153,11 @@ def main():
            f" {args.linear_format}"
            + (", batch-invariant" if args.batch_invariant else "") + "".join(f", {o}" for o in on), text,
            args.append, notes="Random weights: the real MTP layer is almost never right; the oracle rows show the"
-                              " speed-up at a known acceptance (meaningful where MTP on gives MTP off's tokens).")
+                              " speed-up at a known acceptance (meaningful where MTP on gives MTP off's tokens)."
+                              " Bandwidth ceiling: the row's tokens a step over the bytes its step reads against"
+                              " MTP off's (decode_floor.mtp_step_ratio: the verify rows route to more distinct"
+                              " experts, and each draft pass reads the MTP layer and the head): its speed-up if"
+                              " both ran at the memory-bandwidth floor.")
 
 
 if __name__ == "__main__":
