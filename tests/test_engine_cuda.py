@@ -219,6 +219,33 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda(dtype, monkeypa
     assert_same_steps(*runs)
 
 
+@pytest.mark.parametrize("pause", [False, True])
+def test_kept_rows_mtp_pass_equals_every_rows_pass_on_cuda(pause, monkeypatch):
+    """CUDA graphs captured, batch-invariant, fp32: the MTP catch-up pass over each request's last swa_cap rows
+    (``engine/mtp_rows.py``; eager chunks and prefill graph buckets) against the pass over every row of the step:
+    the same tokens and drafts and every window row of every layer bit for bit after every step."""
+    from dsv4 import SamplingParams
+    from dsv4.engine.runner import ModelRunner
+    from dsv4.engine.spec_pause import DraftPause
+
+    rng = random.Random(30)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (3, 40, 150, 9, 300)]
+    runs, replays = [], []
+    for tail in (True, False):
+        monkeypatch.setattr(ModelRunner, "mtp_tail_rows", tail)
+        llm = _engine("tiny", speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+                      batch_invariant=True, cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4],
+                                                               "prefill_token_sizes": [16, 64, 128]})
+        eng = llm.engine
+        if pause:
+            eng.pause = DraftPause(1.0, window=1, probe_every=3)
+        rids = [eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
+        runs.append(run_traced(eng, rids, rings=True))
+        replays.append(eng.runner.graphs.num_prefill_replays)
+    assert replays[0] > 0
+    assert_same_steps(*runs)
+
+
 def test_overlap_scheduler_equals_sync_on_cuda(monkeypatch):
     """fp32, CUDA graphs on: the overlap scheduler (inputs taken from the device, copies that do not wait)
     gives the tokens and finish reasons of the same engine with it off, with stop tokens that end requests
