@@ -12,12 +12,14 @@ Random weights route tokens evenly, so the routed experts count k per token what
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 
 from common import report, table, timed
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
+from dsv4.engine.runner import ModelRunner
 
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM, dense (no sparsity)
 H200_FP8_DENSE_TFLOPS = 1979.0
@@ -68,9 +70,15 @@ def main():
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
     ap.add_argument("--prefill-graph-sizes", type=int, nargs="*", default=None,
                     help="cuda_graph_config.prefill_token_sizes (default: the engine's; give none for no prefill graphs)")
+    ap.add_argument("--mtp", type=int, nargs="+", default=[0],
+                    help="MTP draft lengths to run (0: off; k: TTFT includes the MTP layer's catch-up pass and k"
+                         " drafts), one engine each")
+    ap.add_argument("--mtp-rows", nargs="+", default=["kept"], choices=["kept", "all"],
+                    help="the MTP catch-up pass over each request's last swa_cap rows (kept, engine/mtp_rows.py) or"
+                         " over every row of the chunk (all: ModelRunner.mtp_tail_rows off), for the ratio")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
-    cfg = get_preset(args.preset)
+    cfg = get_preset(args.preset) if args.preset != "mini" else None
     if args.moe_rows:
         from dsv4.kernels import moe
 
@@ -79,24 +87,33 @@ def main():
         from dsv4.kernels import moe
 
         moe.GROUPED_MM = False  # before the engine is built: its prefill graphs capture the path
-    llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", max_batch_size=1,
-              max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
-              kv_cache_config={"free_gpu_memory_fraction": 0.5}, attention_backend=args.attention_backend,
-              moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format,
-              cuda_graph_config={"prefill_token_sizes": args.prefill_graph_sizes})
-    graphs = llm.engine.runner.graphs
-    rng = random.Random(0)
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
     rows = []
-    for T in args.lens:
-        prompt = [rng.randrange(2, cfg.vocab_size) for _ in range(T)]
-        llm.generate([prompt], sp)  # untimed: this length's shapes compile
-        t, _ = timed(lambda prompt=prompt: llm.generate([prompt], sp), repeat=args.repeat)
-        tflops = prefill_flops(cfg, T) / t / 1e12
-        rows.append([T, -(-T // args.chunk), t * 1e3, T / t, tflops,
-                     f"{100 * tflops / H200_BF16_DENSE_TFLOPS:.1f}%"])
-    text = table(["prompt tokens", "chunks", "TTFT (ms)", "prefill tok/s", "achieved TFLOP/s",
-                  "of the bf16 dense peak (989)"], rows)
+    graphs = None
+    for k, mtp_rows in [(k, r) for k in args.mtp for r in (args.mtp_rows if k else ["-"])]:
+        ModelRunner.mtp_tail_rows = mtp_rows != "all"
+        llm = LLM(args.preset, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+                  max_batch_size=1, max_num_tokens=args.chunk, max_seq_len=max(args.lens) + 8,
+                  kv_cache_config={"free_gpu_memory_fraction": 0.5}, attention_backend=args.attention_backend,
+                  moe_config={"expert_format": args.expert_format}, linear_format=args.linear_format,
+                  cuda_graph_config={"prefill_token_sizes": args.prefill_graph_sizes},
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+        cfg = llm.model.cfg
+        graphs = llm.engine.runner.graphs
+        rng = random.Random(0)
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        for T in args.lens:
+            prompt = [rng.randrange(2, cfg.vocab_size) for _ in range(T)]
+            llm.generate([prompt], sp)  # untimed: this length's shapes compile
+            t, _ = timed(lambda prompt=prompt: llm.generate([prompt], sp), repeat=args.repeat)
+            tflops = prefill_flops(cfg, T) / t / 1e12
+            rows.append([k or "off", mtp_rows, T, -(-T // args.chunk), t * 1e3, T / t, tflops,
+                         f"{100 * tflops / H200_BF16_DENSE_TFLOPS:.1f}%"])
+            print(rows[-1], flush=True)
+        del llm
+        gc.collect()
+    ModelRunner.mtp_tail_rows = True
+    text = table(["MTP k", "MTP pass rows", "prompt tokens", "chunks", "TTFT (ms)", "prefill tok/s",
+                  "achieved TFLOP/s (target layers)", "of the bf16 dense peak (989)"], rows)
     report(f"Prefill at concurrency 1, {args.preset}, chunks of {args.chunk}, attention {args.attention_backend}, "
            f"experts {args.expert_format}, linears {args.linear_format}"
            + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else "")
