@@ -126,13 +126,13 @@ def main():
                        else _divergence_gap(ref_model, batch, [o for _, o in pairs], ref[c]))
                 st = llm.get_stats()["speculative"] or {}
                 speed = c * args.gen / t
-                paused = "-"
+                paused, num_paused = "-", 0
                 if isinstance(llm.engine.pause, DraftPause):  # (its counts since reset_stats: every timed run)
-                    ps = llm.engine.pause.as_dict()
-                    paused = f"{ps['num_paused_steps']} / {llm.engine.num_steps}"
+                    num_paused = llm.engine.pause.as_dict()["num_paused_steps"]
+                    paused = f"{num_paused} / {llm.engine.num_steps}"
                 tokens = st.get('mean_accepted_len', 1)
                 ceiling = (f"{tokens / mtp_step_ratio(cfg, c, k, args.prompt_len + args.gen // 2, **precision):.2f}x"
-                           if k else "-")
+                           if k and not num_paused else "-")  # (a paused step reads MTP off's bytes)
                 rows.append([c, k, label if k else "off", "on" if overlap else "off",
                              ("whole" if whole else "separate") if k else "-", pause, paused, speed,
                              f"{speed / off_speed[c]:.2f}x", ceiling,
@@ -157,7 +157,7 @@ def main():
                               " Bandwidth ceiling: the row's tokens a step over the bytes its step reads against"
                               " MTP off's (decode_floor.mtp_step_ratio: the verify rows route to more distinct"
                               " experts, and each draft pass reads the MTP layer and the head): its speed-up if"
-                              " both ran at the memory-bandwidth floor.")
+                              " both ran at the memory-bandwidth floor; '-' where steps were paused.")
 
 
 if __name__ == "__main__":

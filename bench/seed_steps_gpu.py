@@ -1,0 +1,94 @@
+"""Where the seed's workload spends its time, MTP (the seed's mtp.yml: k = 1, drafting paused at zero acceptance)
+against MTP off: 64 requests of 1024 random tokens in / 128 out at concurrency 32 on flash-L4-E32, the engine
+stepped directly, each engine call's wall time summed by the kind of step it read back (with the overlap
+scheduler a call returns when the previous step's tokens are read, so its wall time is that step's): steps with
+prompt rows (prefill, mixed) and decode-only steps."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+
+import torch
+from common import report, table
+
+from dsv4 import LLM, SamplingParams
+from dsv4.config import get_preset
+
+
+def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
+    llm = LLM(preset, device=device, dtype="bf16" if device == "cuda" else "fp32", max_batch_size=64, max_num_tokens=8192,
+              max_seq_len=1024 + gen + 8, kv_cache_config={"dtype": "fp8", "tokens_per_block": 128,
+                                                           "free_gpu_memory_fraction": 0.8},
+              cuda_graph_config={"enable_padding": True},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:2], sp)  # untimed
+    eng = llm.engine
+    eng.reset_stats()
+    queue, live = list(prompts), set()
+    kinds, times = [], []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t_all = time.perf_counter()
+    while queue or eng.has_unfinished_requests():
+        while queue and len(live) < concurrency:
+            live.add(eng.add_request(queue.pop(0), sp))
+        t0 = time.perf_counter()
+        outs = eng.step()
+        times.append(time.perf_counter() - t0)
+        last = eng.last_step  # (more rows than a decode or verify step has: prompt rows)
+        kinds.append("prompt rows" if last["num_tokens"] > last["num_seqs"] * (1 + k) else "decode only")
+        for o in outs:
+            if o.finished:
+                live.discard(o.request_id)
+    sync()
+    total = time.perf_counter() - t_all
+    pause = eng.pause.as_dict() if eng.pause is not None else None
+    sums: dict[str, list] = {}
+    for i in range(1, len(times)):  # call i reads back step i - 1
+        s = sums.setdefault(kinds[i - 1], [0, 0.0])
+        s[0] += 1
+        s[1] += times[i]
+    del llm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return total, sums, pause
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--preset", default="flash-L4-E32")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--append", default=None)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    vocab = get_preset(args.preset).vocab_size
+    prompts = [[rng.randrange(2, vocab) for _ in range(1024)] for _ in range(args.requests)]
+    rows = []
+    for k in (0, 1, 0, 1):
+        total, sums, pause = run(k, prompts, args.gen, args.concurrency, args.preset, args.device)
+        out = args.requests * args.gen / total
+        row = [k or "off", f"{out:.0f}"]
+        for kind in ("prompt rows", "decode only"):
+            n, t = sums.get(kind, (0, 0.0))
+            row += [n, f"{t * 1e3:.1f}", f"{t / max(n, 1) * 1e3:.2f}"]
+        row.append("-" if pause is None else pause["num_paused_steps"])
+        rows.append(row)
+        print(row, flush=True)
+    text = table(["MTP k", "output tok/s", "steps with prompt rows", "their ms", "ms each", "decode-only steps",
+                  "their ms", "ms each", "paused steps"], rows)
+    report(f"The seed's workload by kind of step, {args.preset}, {args.requests} x 1024/{args.gen}, concurrency"
+           f" {args.concurrency}", text, args.append,
+           notes="Engine stepped directly (bench/seed_steps_gpu.py); each call's wall time counted for the step it"
+                 " read back. MTP off and k = 1 alternate (two runs each).")
+
+
+if __name__ == "__main__":
+    main()
