@@ -28,6 +28,8 @@ def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
     llm.generate(prompts[:2], sp)  # untimed
     eng = llm.engine
     eng.reset_stats()
+    graphs = [g for g in (eng.runner.graphs, eng.runner.keep_graphs) if g is not None]
+    replays0 = [g.num_replays for g in graphs]
     queue, live = list(prompts), set()
     kinds, times = [], []
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -47,6 +49,7 @@ def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
     sync()
     total = time.perf_counter() - t_all
     pause = eng.pause.as_dict() if eng.pause is not None else None
+    replays = " / ".join(str(g.num_replays - r) for g, r in zip(graphs, replays0))
     sums: dict[str, list] = {}
     for i in range(1, len(times)):  # call i reads back step i - 1
         s = sums.setdefault(kinds[i - 1], [0, 0.0])
@@ -56,7 +59,7 @@ def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return total, sums, pause
+    return total, sums, pause, replays
 
 
 def main():
@@ -73,17 +76,17 @@ def main():
     prompts = [[rng.randrange(2, vocab) for _ in range(1024)] for _ in range(args.requests)]
     rows = []
     for k in (0, 1, 0, 1):
-        total, sums, pause = run(k, prompts, args.gen, args.concurrency, args.preset, args.device)
+        total, sums, pause, replays = run(k, prompts, args.gen, args.concurrency, args.preset, args.device)
         out = args.requests * args.gen / total
         row = [k or "off", f"{out:.0f}"]
         for kind in ("prompt rows", "decode only"):
             n, t = sums.get(kind, (0, 0.0))
             row += [n, f"{t * 1e3:.1f}", f"{t / max(n, 1) * 1e3:.2f}"]
-        row.append("-" if pause is None else pause["num_paused_steps"])
+        row += ["-" if pause is None else pause["num_paused_steps"], replays]
         rows.append(row)
         print(row, flush=True)
     text = table(["MTP k", "output tok/s", "steps with prompt rows", "their ms", "ms each", "decode-only steps",
-                  "their ms", "ms each", "paused steps"], rows)
+                  "their ms", "ms each", "paused steps", "graph replays (main / one-row MTP buckets)"], rows)
     report(f"The seed's workload by kind of step, {args.preset}, {args.requests} x 1024/{args.gen}, concurrency"
            f" {args.concurrency}", text, args.append,
            notes="Engine stepped directly (bench/seed_steps_gpu.py); each call's wall time counted for the step it"
