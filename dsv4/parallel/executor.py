@@ -166,7 +166,6 @@ class LaneRunner(ModelRunner):
 
     whole_step_graphs = False  # the driver reads acceptance on the host: no rank (nor the driver) runs a whole step
     pauses_drafting = False  # every rank runs the same passes: drafting is not paused on several devices
-    mtp_tail_rows = False  # (not tried on several ranks: their MTP passes run over every row of the step)
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
@@ -198,6 +197,9 @@ class DistributedRunner(LaneRunner):
         super().__init__(model, storage, device, attention_backend, batch_invariant)
         self.group, self.mapping = group, mapping
         self.dp = mapping.attention_dp
+        # the MTP pass over each request's kept rows on every rank alike (tensor parallel: one plan), not with
+        # attention-DP lanes (their MoE gathers the lanes' rows in equal shares)
+        self.mtp_tail_rows = not self.dp
         self.lane_of: dict = {}  # attention DP: request id -> lane (the engine's scheduler fills it)
         self._step = 0
         self._graphed_step = False  # the last ForwardMsg's graph decision (its propose follows it)
