@@ -3,7 +3,8 @@
 ``forward`` runs the target layers over every scheduled token (prefill chunks, decode tokens, verify
 tokens alike) and returns the logits the sampler needs. ``propose`` runs the MTP layer: first a catch-up
 pass over the same rows (it writes the MTP layer's window rows for every new position, and its row for the
-newest committed position yields draft 1), then draft steps 2..k, each one token per request, from the
+newest committed position yields draft 1; in a long prefill chunk only the last rows, all the ring keeps:
+``mtp_rows.py``), then draft steps 2..k, each one token per request, from the
 plan's draft tables. The MTP layer's cache lives in the same storage as every other layer's (R1).
 """
 
@@ -217,7 +218,7 @@ class ModelRunner:
     whole_step_graphs = True  # with MTP, a graph bucket also captures the whole greedy step (graphs.StepGraphOut)
     pauses_drafting = True  # the engine may pause MTP drafting (spec_pause.py): steps of one row, keep-up passes
     # the MTP catch-up pass over the rows its window keeps only, the last swa_cap of each request (mtp_rows.py;
-    # not on several ranks, whose lanes' passes run in lockstep); False: over every row of the step
+    # on several ranks without attention-DP lanes only, see DistributedRunner); False: over every row of the step
     mtp_tail_rows = True
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
