@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 0, 1], help="the runs, in order (0: MTP off)")
     ap.add_argument("--preset", default="flash-L4-E32")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--append", default=None)
@@ -75,7 +76,7 @@ def main():
     vocab = get_preset(args.preset).vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(1024)] for _ in range(args.requests)]
     rows = []
-    for k in (0, 1, 0, 1):
+    for k in args.ks:
         total, sums, pause, replays = run(k, prompts, args.gen, args.concurrency, args.preset, args.device)
         out = args.requests * args.gen / total
         row = [k or "off", f"{out:.0f}"]
@@ -90,7 +91,7 @@ def main():
     report(f"The seed's workload by kind of step, {args.preset}, {args.requests} x 1024/{args.gen}, concurrency"
            f" {args.concurrency}", text, args.append,
            notes="Engine stepped directly (bench/seed_steps_gpu.py); each call's wall time counted for the step it"
-                 " read back. MTP off and k = 1 alternate (two runs each).")
+                 " read back. Runs in the order of the table.")
 
 
 if __name__ == "__main__":
