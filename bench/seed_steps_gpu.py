@@ -19,8 +19,9 @@ from dsv4.config import get_preset
 
 
 def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
+    prompt_len = max(len(p) for p in prompts)
     llm = LLM(preset, device=device, dtype="bf16" if device == "cuda" else "fp32", max_batch_size=64, max_num_tokens=8192,
-              max_seq_len=1024 + gen + 8, kv_cache_config={"dtype": "fp8", "tokens_per_block": 128,
+              max_seq_len=prompt_len + gen + 8, kv_cache_config={"dtype": "fp8", "tokens_per_block": 128,
                                                            "free_gpu_memory_fraction": 0.8},
               cuda_graph_config={"enable_padding": True},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
@@ -66,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--input", type=int, default=1024, help="prompt tokens")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 0, 1], help="the runs, in order (0: MTP off)")
     ap.add_argument("--preset", default="flash-L4-E32")
@@ -74,7 +76,7 @@ def main():
     args = ap.parse_args()
     rng = random.Random(0)
     vocab = get_preset(args.preset).vocab_size
-    prompts = [[rng.randrange(2, vocab) for _ in range(1024)] for _ in range(args.requests)]
+    prompts = [[rng.randrange(2, vocab) for _ in range(args.input)] for _ in range(args.requests)]
     rows = []
     for k in args.ks:
         total, sums, pause, replays = run(k, prompts, args.gen, args.concurrency, args.preset, args.device)
@@ -88,7 +90,7 @@ def main():
         print(row, flush=True)
     text = table(["MTP k", "output tok/s", "steps with prompt rows", "their ms", "ms each", "decode-only steps",
                   "their ms", "ms each", "paused steps", "graph replays (main / one-row MTP buckets)"], rows)
-    report(f"The seed's workload by kind of step, {args.preset}, {args.requests} x 1024/{args.gen}, concurrency"
+    report(f"The seed's workload by kind of step, {args.preset}, {args.requests} x {args.input}/{args.gen}, concurrency"
            f" {args.concurrency}", text, args.append,
            notes="Engine stepped directly (bench/seed_steps_gpu.py); each call's wall time counted for the step it"
                  " read back. Runs in the order of the table.")
