@@ -2,7 +2,12 @@
 against MTP off: 64 requests of 1024 random tokens in / 128 out at concurrency 32 on flash-L4-E32, the engine
 stepped directly, each engine call's wall time summed by the kind of step it read back (with the overlap
 scheduler a call returns when the previous step's tokens are read, so its wall time is that step's): steps with
-prompt rows (prefill, mixed) and decode-only steps."""
+prompt rows (prefill, mixed) and decode-only steps.
+
+Runs (``--runs``, in order): ``off``; ``mtp`` (k = 1, the engine's defaults); and, to find what the paused MTP
+costs against off, ``mtp-no-keep-up`` (the keep-up pass of paused steps skipped: drafts after a probe are then
+wrong, which zero acceptance does not notice), ``mtp-no-probes`` (a paused engine never probes) and
+``mtp-all-rows`` (the catch-up pass over every prompt row: ``ModelRunner.mtp_tail_rows`` off)."""
 
 from __future__ import annotations
 
@@ -16,9 +21,25 @@ from common import report, table
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
+from dsv4.engine.runner import ModelRunner
+from dsv4.model.model import DeepseekV4
+
+RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows")
 
 
-def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
+def run_variant(label: str, *args):
+    """``run`` with the run's switches set for it (and restored after)."""
+    keep_up, tail = DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows
+    if label == "mtp-no-keep-up":
+        DeepseekV4.mtp_keep_up = lambda self, X, next_ids, backend: None
+    ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
+    try:
+        return run(0 if label == "off" else 1, label == "mtp-no-probes", *args)
+    finally:
+        DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows = keep_up, tail
+
+
+def run(k: int, no_probes: bool, prompts, gen: int, concurrency: int, preset: str, device: str):
     prompt_len = max(len(p) for p in prompts)
     llm = LLM(preset, device=device, dtype="bf16" if device == "cuda" else "fp32", max_batch_size=64, max_num_tokens=8192,
               max_seq_len=prompt_len + gen + 8, kv_cache_config={"dtype": "fp8", "tokens_per_block": 128,
@@ -28,6 +49,8 @@ def run(k: int, prompts, gen: int, concurrency: int, preset: str, device: str):
     sp = SamplingParams(max_tokens=gen, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:2], sp)  # untimed
     eng = llm.engine
+    if no_probes and eng.pause is not None:
+        eng.pause.probe_every = 10 ** 9
     eng.reset_stats()
     graphs = [g for g in (eng.runner.graphs, eng.runner.keep_graphs) if g is not None]
     replays0 = [g.num_replays for g in graphs]
@@ -69,7 +92,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input", type=int, default=1024, help="prompt tokens")
     ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 0, 1], help="the runs, in order (0: MTP off)")
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=RUNS,
+                    help="the runs, in order (see the module doc)")
     ap.add_argument("--preset", default="flash-L4-E32")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--append", default=None)
@@ -78,17 +102,18 @@ def main():
     vocab = get_preset(args.preset).vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(args.input)] for _ in range(args.requests)]
     rows = []
-    for k in args.ks:
-        total, sums, pause, replays = run(k, prompts, args.gen, args.concurrency, args.preset, args.device)
+    for label in args.runs:
+        total, sums, pause, replays = run_variant(label, prompts, args.gen, args.concurrency, args.preset,
+                                                  args.device)
         out = args.requests * args.gen / total
-        row = [k or "off", f"{out:.0f}"]
+        row = [label, f"{out:.0f}"]
         for kind in ("prompt rows", "decode only"):
             n, t = sums.get(kind, (0, 0.0))
             row += [n, f"{t * 1e3:.1f}", f"{t / max(n, 1) * 1e3:.2f}"]
         row += ["-" if pause is None else pause["num_paused_steps"], replays]
         rows.append(row)
         print(row, flush=True)
-    text = table(["MTP k", "output tok/s", "steps with prompt rows", "their ms", "ms each", "decode-only steps",
+    text = table(["run", "output tok/s", "steps with prompt rows", "their ms", "ms each", "decode-only steps",
                   "their ms", "ms each", "paused steps", "graph replays (main / one-row MTP buckets)"], rows)
     report(f"The seed's workload by kind of step, {args.preset}, {args.requests} x {args.input}/{args.gen}, concurrency"
            f" {args.concurrency}", text, args.append,

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# For the next session's first device call (written in the thirtieth, not run: its device time ran out).
+# 1. Where the seed's workload loses its last 5% with MTP paused (bench/seed_steps_gpu.py: wall time by kind of
+#    step; MTP with its keep-up pass skipped, without probes, against MTP off, alternating).
+# 2. Flash depth in the default mode: k = 3 at concurrency 1 with the oracle at 0.85 (bandwidth ceiling 1.75x),
+#    and zero acceptance at concurrency 32 (issue 17's <= 5% goal, measured at 1 and 8 so far).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+cd bench
+timeout 300 python3 seed_steps_gpu.py --runs off mtp mtp-no-keep-up mtp-no-probes off mtp \
+  --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -10
+timeout 250 python3 mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 3 --p-right 0.85 --repeat 3 \
+  --no-gap --gen 96 --pause on --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -10
