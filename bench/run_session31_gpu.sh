@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# For the next session's first device call (written in the thirtieth, not run: its device time ran out).
+# For the next session's first two device calls (written in the thirtieth, not run: its device time ran out):
+# `bash bench/run_session31_gpu.sh 1`, then `... 2` on the warm machine (each fits one call's 600 s).
 # 1. Where the seed's workload loses its last 5% with MTP paused (bench/seed_steps_gpu.py: wall time by kind of
 #    step; MTP with its keep-up pass skipped, without probes, against MTP off, alternating).
 #    And the same decode steps under torch.profiler (mtp_step_gpu.py): GPU busy against wall time per step, MTP
@@ -10,9 +11,12 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd bench
-timeout 300 python3 seed_steps_gpu.py --runs off mtp mtp-no-keep-up mtp-no-probes off mtp \
+if [ "${1:-1}" = 1 ]; then
+timeout 330 python3 seed_steps_gpu.py --runs off mtp mtp-no-keep-up mtp-no-probes off mtp \
   --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -10
 timeout 200 python3 mtp_step_gpu.py --preset flash-L4-E32 --concurrency 32 --ks 0 1 --prompt-len 768 --gen 128 \
   --top 12 --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -8
-timeout 250 python3 mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 3 --p-right 0.85 --repeat 3 \
+else
+timeout 400 python3 mtp_speedup.py --preset flash-L43-E16 --concurrency 1 32 --ks 0 1 3 --p-right 0.85 --repeat 3 \
   --no-gap --gen 96 --pause on --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -10
+fi
