@@ -60,6 +60,9 @@ class CachedBackend:
         st.write_swa(layer_id, self.swa_write, kv)
         return keys, self.swa_valid.unsqueeze(1)
 
+    def write_window(self, layer_id: int, kv: torch.Tensor) -> None:
+        self.storage.write_swa(layer_id, self.swa_write, kv)
+
     def compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor):
         t = self.write_compressed(layer_id, name, comp, rows)
         st = self.storage

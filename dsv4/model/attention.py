@@ -44,6 +44,10 @@ class AttentionBackend(Protocol):
         """This step's kv [N, D] (None: already stored at ``kv_destination``) -> sliding-window keys [G, K, D]
         and visibility [G, Tq, K]."""
 
+    def write_window(self, layer_id: int, kv: torch.Tensor) -> None:
+        """What ``window`` writes to the cache (this step's kv [N, D]), without reading the window back (a
+        backend without a cache does nothing)."""
+
     def compressed(self, layer_id: int, name: str, comp: "Compressor",
                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's compressor rows ([N, 2*coff*D'] fp32: kv, then score; name "main" or "indexer") ->
@@ -243,15 +247,19 @@ class Attention(nn.Module):
         if self.compressor is not None:
             raise ValueError(f"layer {self.layer_id} compresses (ratio {self.compress_ratio}): its compressor"
                              " state is written by forward, not by write_window")
-        self._window(self.project_input(x)["kv"], step_rope(backend, self.inv_freq), backend)
+        kv = self._stored_kv(self.project_input(x)["kv"], step_rope(backend, self.inv_freq), backend)
+        if kv is not None:  # (written without reading the window: its keys are not wanted)
+            backend.write_window(self.layer_id, kv)
+
+    def _stored_kv(self, kv: torch.Tensor, rope, backend: AttentionBackend) -> torch.Tensor | None:
+        """This step's kv [N, D] normed and roped (the K=V head); None when the norm-rope kernel stored it in the
+        window ring itself (where the backend gives its destination)."""
+        return rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, rope,
+                             *(backend.kv_destination(self.layer_id) or ()))
 
     def _window(self, kv: torch.Tensor, rope, backend: AttentionBackend):
-        """This step's kv (normed, roped) stored into the window ring (by the norm-rope kernel where the backend
-        gives its destination); the window's keys for attention."""
-        # [N, D]: the K=V head; None when the kernel stored it in the window ring itself
-        kv = rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, rope,
-                           *(backend.kv_destination(self.layer_id) or ()))
-        return backend.window(self.layer_id, kv)
+        """This step's kv stored into the window ring; the window's keys for attention."""
+        return backend.window(self.layer_id, self._stored_kv(kv, rope, backend))
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """x: [N, d] (attn-normed) -> [N, d]."""

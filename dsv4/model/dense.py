@@ -36,6 +36,9 @@ class DenseBackend:
     def window(self, layer_id: int, kv: torch.Tensor):
         return self.group(kv), self._window_mask
 
+    def write_window(self, layer_id: int, kv: torch.Tensor) -> None:
+        """Nothing: the dense path keeps no cache."""
+
     def write_compressed(self, layer_id: int, name: str, comp: Compressor, rows: torch.Tensor) -> None:
         """Nothing: the dense path keeps no cache."""
 
