@@ -136,7 +136,7 @@ def main():
                 rows.append([c, k, label if k else "off", "on" if overlap else "off",
                              ("whole" if whole else "separate") if k else "-", pause, paused, speed,
                              f"{speed / off_speed[c]:.2f}x", ceiling,
-                             f"{st.get('acceptance_rate', 0):.2f}", f"{st.get('mean_accepted_len', 1):.2f}",
+                             f"{st.get('acceptance_rate', 0):.2f}", f"{tokens:.2f}",
                              f"{same:.3f}", first, gap])
                 print(rows[-1], flush=True)  # (a run stopped part way keeps its rows)
         use_known_answers(llm.engine, None)

@@ -18,7 +18,6 @@ import random
 from common import report, table, timed
 
 from dsv4 import LLM, SamplingParams
-from dsv4.config import get_preset
 from dsv4.engine.runner import ModelRunner
 
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM, dense (no sparsity)
@@ -78,7 +77,6 @@ def main():
                          " over every row of the chunk (all: ModelRunner.mtp_tail_rows off), for the ratio")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
-    cfg = get_preset(args.preset) if args.preset != "mini" else None
     if args.moe_rows:
         from dsv4.kernels import moe
 
@@ -104,7 +102,7 @@ def main():
         for T in args.lens:
             prompt = [rng.randrange(2, cfg.vocab_size) for _ in range(T)]
             llm.generate([prompt], sp)  # untimed: this length's shapes compile
-            t, _ = timed(lambda prompt=prompt: llm.generate([prompt], sp), repeat=args.repeat)
+            t, _ = timed(lambda prompt=prompt, llm=llm: llm.generate([prompt], sp), repeat=args.repeat)
             tflops = prefill_flops(cfg, T) / t / 1e12
             rows.append([k or "off", mtp_rows, T, -(-T // args.chunk), t * 1e3, T / t, tflops,
                          f"{100 * tflops / H200_BF16_DENSE_TFLOPS:.1f}%"])

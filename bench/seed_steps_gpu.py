@@ -15,15 +15,18 @@ import argparse
 import gc
 import random
 import time
+from pathlib import Path
 
 import torch
 from common import report, table
 
 from dsv4 import LLM, SamplingParams
+from dsv4.bench.options import load_yaml
 from dsv4.config import get_preset
 from dsv4.engine.runner import ModelRunner
 from dsv4.model.model import DeepseekV4
 
+SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
 RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows")
 
 
@@ -41,11 +44,11 @@ def run_variant(label: str, *args):
 
 def run(k: int, no_probes: bool, prompts, gen: int, concurrency: int, preset: str, device: str):
     prompt_len = max(len(p) for p in prompts)
-    llm = LLM(preset, device=device, dtype="bf16" if device == "cuda" else "fp32", max_batch_size=64, max_num_tokens=8192,
-              max_seq_len=prompt_len + gen + 8, kv_cache_config={"dtype": "fp8", "tokens_per_block": 128,
-                                                           "free_gpu_memory_fraction": 0.8},
-              cuda_graph_config={"enable_padding": True},
-              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
+    settings = load_yaml(str(SEED_CONFIG))  # the seed's mtp.yml (MTP off: without its speculative_config)
+    if not k:
+        settings.pop("speculative_config", None)
+    llm = LLM(preset, device=device, dtype="bf16" if device == "cuda" else "fp32", max_batch_size=64,
+              max_num_tokens=8192, max_seq_len=prompt_len + gen + 8, **settings)
     sp = SamplingParams(max_tokens=gen, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:2], sp)  # untimed
     eng = llm.engine

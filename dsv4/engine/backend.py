@@ -40,6 +40,8 @@ class CachedBackend:
 
     @classmethod
     def for_draft(cls, tables, storage: CacheStorage) -> "CachedBackend":
+        """From window tables alone (positions, swa_read/valid/write): a draft step's, or the rows an MTP pass
+        keeps (``mtp_rows.MtpRows``)."""
         return cls(storage, tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write)
 
     attend = staticmethod(attend_gathered)

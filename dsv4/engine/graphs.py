@@ -200,17 +200,15 @@ class GraphRunner:
         if sub is None:
             X = self.model.mtp_streams(X, next_ids, self._backend(tables, prefill))
             return X, None if prefill else self.model.mtp_logits_from_streams(X), None
-        backend = PrefillCudaBackend(self.storage, sub.positions, sub.swa_read, sub.swa_valid, sub.swa_write,
-                                     swa_step_base=self._swa_base)
+        backend = PrefillCudaBackend.for_draft(sub, self.storage, self._swa_base)
         return self.model.mtp_streams(sub.rows(X), sub.ids(next_ids), backend), None, sub.inv
 
     def _tail(self, tables) -> MtpRows | None:
         """A prefill bucket's MTP rows: its request's last swa_cap (None: the bucket holds no more)."""
-        cap, m = self.storage.layout.swa_cap, self.model
-        if not (self.tail_rows and m.has_mtp and m.mtp[0].keeps_up) or tables.positions.shape[0] <= cap:
+        cap = self.storage.layout.swa_cap
+        if not (self.tail_rows and self.model.mtp_window_only) or tables.positions.shape[0] <= cap:
             return None
-        return select(tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write,
-                      one_request_keep(tables.num_new, cap), self._swa_base)
+        return select(tables, one_request_keep(tables.num_new, cap), self._swa_base)
 
     def _mtp(self, bk: _Bucket):
         return self._mtp_pass(bk.tables, bk.target_out[0], bk.next_ids, bk.prefill)

@@ -67,10 +67,11 @@ def one_request_keep(num_new: torch.Tensor, cap: int) -> torch.Tensor:
     return torch.where(n >= cap, n - cap + j, torch.where(j < n, j, -1))
 
 
-def select(positions: torch.Tensor, swa_read: torch.Tensor, swa_valid: torch.Tensor, swa_write: torch.Tensor,
-           keep: torch.Tensor | Sequence[int], swa_step_base: int) -> MtpRows:
-    """The window tables of a step (``PlanTables``' columns) for the step rows ``keep`` (-1: an inert row), on
-    the device, without a host sync (a CUDA graph may capture it)."""
+def select(tables, keep: torch.Tensor | Sequence[int], swa_step_base: int) -> MtpRows:
+    """The window tables of a step (``tables``: a StepPlan or its PlanTables) for the step rows ``keep`` (-1: an
+    inert row), on the device, without a host sync (a CUDA graph may capture it). The result has the window
+    columns a backend is built from (``CachedBackend.for_draft``)."""
+    positions, swa_read, swa_valid, swa_write = tables.positions, tables.swa_read, tables.swa_valid, tables.swa_write
     dev = positions.device
     if not isinstance(keep, torch.Tensor):
         keep = to_device(list(keep), dev)

@@ -280,19 +280,16 @@ class ModelRunner:
 
     def _mtp_rows(self, plan) -> MtpRows | None:
         """The rows the MTP catch-up pass of ``plan``'s step runs over when fewer than the step's (``mtp_rows.py``)."""
-        if not (self.mtp_tail_rows and self.model.has_mtp and self.model.mtp[0].keeps_up):
+        if not (self.mtp_tail_rows and self.model.mtp_window_only):
             return None
         keep = host_keep(plan.num_new, self.storage.layout.swa_cap)
-        if keep is None:
-            return None
-        return select(plan.positions, plan.swa_read, plan.swa_valid, plan.swa_write, keep, plan.swa_step_base)
+        return None if keep is None else select(plan, keep, plan.swa_step_base)
 
     def _rows_backend(self, plan, sub: MtpRows):
         """The backend of a pass over ``sub``'s rows (up to swa_cap a request: the prefill path on the kernels)."""
-        args = (self.storage, sub.positions, sub.swa_read, sub.swa_valid, sub.swa_write)
         if self.use_kernels:
-            return PrefillCudaBackend(*args, swa_step_base=plan.swa_step_base)
-        return CachedBackend(*args)
+            return PrefillCudaBackend.for_draft(sub, self.storage, plan.swa_step_base)
+        return CachedBackend.for_draft(sub, self.storage)
 
     def _draft_backend(self, plan, tables):
         if self.use_kernels:

@@ -91,10 +91,15 @@ class DeepseekV4(nn.Module):
         with pass_rows(X.shape[0]):
             return self.mtp[0](X, self.embed(next_ids), backend, next_ids)
 
+    @property
+    def mtp_window_only(self) -> bool:
+        """Whether the model has an MTP layer whose only state is its window ring (``keep_up`` holds it all)."""
+        return self.has_mtp and self.mtp[0].keeps_up
+
     def mtp_keep_up(self, X: torch.Tensor, next_ids: torch.Tensor, backend: AttentionBackend) -> None:
         """An MTP pass whose output nobody reads (drafting paused): only the MTP layer's window rows, as
         ``mtp_streams`` stores them; the whole pass where the layer holds more state than its window."""
-        if not self.has_mtp or not self.mtp[0].keeps_up:
+        if not self.mtp_window_only:
             self.mtp_streams(X, next_ids, backend)
             return
         with pass_rows(X.shape[0]):
