@@ -28,6 +28,25 @@ def _short(name: str) -> str:
     return name if len(name) <= 48 else name[:45] + "..."
 
 
+def kernel_diff(kernels: dict, top: int) -> str:
+    """Per concurrency and k > 0: the kernels whose ms per step differ most from MTP off's, with launches per step
+    (a kernel MTP off never runs shows 0 there), and the totals over all kernels."""
+    out = []
+    for (c, k), (ms, n) in sorted(kernels.items()):
+        if not k or (c, 0) not in kernels:
+            continue
+        ms0, n0 = kernels[(c, 0)]
+        names = set(ms) | set(ms0)
+        delta = sorted(names, key=lambda x: -abs(ms.get(x, 0) - ms0.get(x, 0)))
+        body = [[_short(x), f"{ms0.get(x, 0):.4f}", f"{ms.get(x, 0):.4f}", f"{ms.get(x, 0) - ms0.get(x, 0):+.4f}",
+                 f"{n0.get(x, 0):.1f}", f"{n.get(x, 0):.1f}"] for x in delta[:top]]
+        body.append(["all kernels", f"{sum(ms0.values()):.4f}", f"{sum(ms.values()):.4f}",
+                     f"{sum(ms.values()) - sum(ms0.values()):+.4f}", f"{sum(n0.values()):.1f}", f"{sum(n.values()):.1f}"])
+        out.append(f"c = {c}, k = {k} against off (ms and launches per step):\n\n" + table(
+            ["kernel", "off ms", f"k={k} ms", "delta", "off launches", f"k={k} launches"], body))
+    return "\n\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="flash-L43-E16")
@@ -38,6 +57,10 @@ def main():
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--separate", action="store_true",
                     help="also each k > 0 with the separate CUDA graphs instead of the whole-step graph")
+    ap.add_argument("--diff", type=int, default=0,
+                    help="also a table of the N kernels whose time per step differs most from MTP off's (same"
+                         " concurrency), with their launches per step")
+    ap.add_argument("--no-probes", action="store_true", help="a paused engine never probes (paused steps alone)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     most = max(args.concurrency)
@@ -47,13 +70,15 @@ def main():
         cfg = get_preset(args.preset)
         rng = random.Random(0)
         prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(most)]
-    rows, tops = [], []
+    rows, tops, kernels = [], [], {}
     for k in args.ks:
         llm = LLM(args.preset, device="cuda", dtype="bf16", max_batch_size=max(args.concurrency), max_num_tokens=4096,
                   max_seq_len=1024, kv_cache_config={"free_gpu_memory_fraction": 0.2},
                   cuda_graph_config={"enable_padding": True},
                   speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None)
         eng = llm.engine
+        if args.no_probes and eng.pause is not None:
+            eng.pause.probe_every = 10 ** 9
         if prompts is None:
             prompts = [llm._encode(p)[0] for p in heldout_prompts("mini")[:most]]
         sp = SamplingParams(max_tokens=args.gen, ignore_eos=True, detokenize=False)
@@ -76,9 +101,14 @@ def main():
                 wall = time.perf_counter() - t0
             steps = max(eng.num_steps, 1)
             by_name: dict = collections.Counter()
+            launches: dict = collections.Counter()
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     by_name[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                    launches[e.name] += 1
+            if whole:
+                kernels[(c, k)] = ({n: t / 1e3 / steps for n, t in by_name.items()},
+                                   {n: m / steps for n, m in launches.items()})
             busy = sum(by_name.values()) / 1e3 / steps  # us -> ms per step
             rows.append([c, k or "off", ("whole" if whole else "separate") if k else "-", steps, 1e3 * wall / steps, busy, f"{100 * busy / (1e3 * wall / steps):.0f}%"])
             top = ", ".join(f"{_short(n)} {t / 1e3 / steps:.3f}" for n, t in by_name.most_common(args.top))
@@ -88,6 +118,8 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
     text = table(["concurrency", "k", "step graph", "steps", "wall ms/step", "GPU busy ms/step", "busy"], rows)
+    if args.diff:
+        text += "\n\n" + kernel_diff(kernels, args.diff)
     report(f"MTP step on the GPU, {args.preset}, {args.gen} output tokens", text + "\n\n" + "\n".join(tops),
            args.append, notes="Kernel time summed from torch.profiler (CUDA activity), prefill steps excluded;"
                               " the list gives each step's largest kernels (ms per step).")

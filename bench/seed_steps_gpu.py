@@ -7,7 +7,9 @@ prompt rows (prefill, mixed) and decode-only steps.
 Runs (``--runs``, in order): ``off``; ``mtp`` (k = 1, the engine's defaults); and, to find what the paused MTP
 costs against off, ``mtp-no-keep-up`` (the keep-up pass of paused steps skipped: drafts after a probe are then
 wrong, which zero acceptance does not notice), ``mtp-no-probes`` (a paused engine never probes) and
-``mtp-all-rows`` (the catch-up pass over every prompt row: ``ModelRunner.mtp_tail_rows`` off)."""
+``mtp-all-rows`` (the catch-up pass over every prompt row: ``ModelRunner.mtp_tail_rows`` off),
+``mtp-wide-keep`` (a paused step's graph with a drafting step's acceptance kernels: ``GraphRunner.slim_keep_step``
+off), and ``mtp-bare`` (neither keep-up passes nor probes: what a paused step costs beyond them)."""
 
 from __future__ import annotations
 
@@ -23,23 +25,25 @@ from common import report, table
 from dsv4 import LLM, SamplingParams
 from dsv4.bench.options import load_yaml
 from dsv4.config import get_preset
+from dsv4.engine.graphs import GraphRunner
 from dsv4.engine.runner import ModelRunner
 from dsv4.model.model import DeepseekV4
 
 SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
-RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows")
+RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows", "mtp-wide-keep", "mtp-bare")
 
 
 def run_variant(label: str, *args):
     """``run`` with the run's switches set for it (and restored after)."""
-    keep_up, tail = DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows
-    if label == "mtp-no-keep-up":
+    keep_up, tail, slim = DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows, GraphRunner.slim_keep_step
+    if label in ("mtp-no-keep-up", "mtp-bare"):
         DeepseekV4.mtp_keep_up = lambda self, X, next_ids, backend: None
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
+    GraphRunner.slim_keep_step = label != "mtp-wide-keep"
     try:
-        return run(0 if label == "off" else 1, label == "mtp-no-probes", *args)
+        return run(0 if label == "off" else 1, label in ("mtp-no-probes", "mtp-bare"), *args)
     finally:
-        DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows = keep_up, tail
+        DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows, GraphRunner.slim_keep_step = keep_up, tail, slim
 
 
 def run(k: int, no_probes: bool, prompts, gen: int, concurrency: int, preset: str, device: str):

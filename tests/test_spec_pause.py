@@ -154,13 +154,17 @@ def test_no_pause_when_switched_off():
     assert llm.engine.pause is None and llm.get_stats()["speculative"]["pause"] is None
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_paused_whole_step_graph_equals_separate_graphs(overlap, monkeypatch):
+@pytest.mark.parametrize("overlap,slim", [(True, True), (False, True), (True, False)])
+def test_paused_whole_step_graph_equals_separate_graphs(overlap, slim, monkeypatch):
     """The keep-up runner's whole-step graph (target pass, argmax, the MTP layer's keep-up pass) against its
     separate target and keep-up graphs, on the static buffers on the CPU, with the model's own drafts (random
     weights: drafting pauses at once) and a probe every third step: the same tokens and the same drafts at every
-    step, so the probes' drafts read the same MTP cache rows the paused steps wrote."""
+    step, and every window ring (the MTP layer's included) bit for bit after every step. The whole step as it runs
+    (``slim_keep_step``: no acceptance kernels) and with a drafting step's acceptance kernels."""
+    from dsv4.engine.graphs import GraphRunner
+
     monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    monkeypatch.setattr(GraphRunner, "slim_keep_step", slim)
     prompts, lengths = _workload(4, 11)
     traces, whole_steps = [], []
     for whole in (True, False):
@@ -173,10 +177,11 @@ def test_paused_whole_step_graph_equals_separate_graphs(overlap, monkeypatch):
         keep = eng.runner.keep_graphs
         keep.whole_step = whole
         rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
-        traces.append(run_traced(eng, rids))
+        traces.append(run_traced(eng, rids, rings=True))
         whole_steps.append(keep.num_whole_steps)
     assert whole_steps[0] > 3 and whole_steps[1] == 0
-    assert traces[0] == traces[1] and any(d for step in traces[0] for d, _ in step)
+    assert_same_steps(*traces)
+    assert any(d for seen, _ in traces[0] for d, _ in seen)
 
 
 @pytest.mark.parametrize("graphs", [False, True])

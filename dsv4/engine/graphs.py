@@ -97,9 +97,14 @@ class _Bucket:
     ran: list = field(default_factory=list)  # the graphs that step has run, in order
     prefill: bool = False  # a prefill bucket: one request, up to shape.tokens tokens, streams only
     keep_out: None = None  # (the keep-up pass returns nothing: it only stores the MTP layer's window rows)
+    keep_consts: tuple | None = None  # (zeros, ones, -1) [B]: the known acceptance columns of a keep-up step
 
 
 class GraphRunner:
+    # a keep-up runner's whole step leaves out the acceptance kernels whose results are known (``_keep_step``);
+    # False: it runs them as a drafting step does (its twin in the tests, and the bench's A/B)
+    slim_keep_step = True
+
     def __init__(self, model, storage, spec: GraphSpec, capture: bool, whole_step: bool = True,
                  keep_up: bool = False, tail_rows: bool = True):
         """``keep_up``: also the MTP layer's keep-up pass (``keep``: its window rows only), for the steps whose drafting
@@ -242,6 +247,8 @@ class GraphRunner:
         tables, X, logits = self._forward(bk)
         B, k = bk.batch, self.step_drafts
         G = greedy_tokens(logits)
+        if k == 0 and self.slim_keep_step:
+            return self._keep_step(bk, tables, X, logits, G)
         a, last, checks = accept_uniform(G, bk.ids, B, k)
         inp = uniform_draft_inputs(G.view(-1, k + 1)[:B], a, tables.computed_lens)
         rows = 1 + a
@@ -260,6 +267,19 @@ class GraphRunner:
         D = torch.stack(drafts, 1)
         packed = torch.cat([G, rows, checks.reshape(-1), D.reshape(-1)])
         return StepGraphOut(X, logits, G, a, rows, last, D, inp.new_lens, packed)
+
+    def _keep_step(self, bk: _Bucket, tables, X, logits, G) -> StepGraphOut:
+        """``_step`` of a keep-up runner (no drafts) without the acceptance kernels, whose results are known: each
+        row accepts 0 drafts and emits its target token; its checked draft is -1; the MTP layer keeps up on that
+        token. The constant columns are made in the bucket's first (eager) run, outside any capture, so a replay
+        only copies them into ``packed``."""
+        B = bk.batch
+        if bk.keep_consts is None:
+            bk.keep_consts = (G.new_zeros(B), G.new_ones(B), G.new_full((B,), -1))
+        zero, one, minus_one = bk.keep_consts
+        self.model.mtp_keep_up(X, G, self._backend(tables))
+        packed = torch.cat([G, one, minus_one])
+        return StepGraphOut(X, logits, G, zero, one, G, G.new_zeros(B, 0), tables.computed_lens[:B] + 1, packed)
 
     def _run(self, bk: _Bucket, name: str, fn):
         """Replay the captured graph ``name`` (or run ``fn`` eagerly on the static buffers)."""
