@@ -33,6 +33,30 @@ def test_pauses_below_the_threshold_and_probes():
     assert p.rate == 0.5  # the probe stays in the window
 
 
+def test_each_failed_probe_doubles_the_wait_for_the_next_up_to_the_most():
+    p = DraftPause(0.5, window=2, probe_every=2, max_probe_every=5)
+    p.record(2, 0)
+    assert not p.drafts_now() and p.probe_interval == 2
+    seen = []
+    for _ in range(16):
+        probe = p.drafts_now()
+        seen.append(probe)
+        if probe:
+            p.record(2, 0)  # every probe rejected
+    # (the pausing step was the first paused one) a probe after 2 paused steps, then after 4, then 5 (the most)
+    # and again 5: each rejection is judged at the decision after its probe
+    assert [i for i, probe in enumerate(seen) if probe] == [0, 4, 9, 14]
+    assert p.probe_interval == 5 and p.paused
+    while not p.drafts_now():
+        pass
+    p.record(2, 2)  # a probe accepted: resumes, and a later pause waits the first interval again
+    assert p.drafts_now() and not p.paused
+    p.record(2, 0)
+    p.record(2, 0)
+    assert not p.drafts_now() and p.probe_interval == 2
+    assert p.as_dict()["probe_interval"] == 2
+
+
 def test_the_window_slides_and_good_acceptance_never_pauses():
     p = DraftPause(0.2, window=4, probe_every=2)
     for i in range(40):
@@ -48,7 +72,8 @@ def test_the_window_slides_and_good_acceptance_never_pauses():
 
 
 @pytest.mark.parametrize("kw", [{"pause_below_acceptance": 1.5}, {"pause_below_acceptance": -0.1},
-                                {"pause_probe_interval": 0}])
+                                {"pause_probe_interval": 0},
+                                {"pause_probe_interval": 64, "pause_max_probe_interval": 32}])
 def test_bad_pause_settings_are_refused(kw):
     with pytest.raises(EngineConfigError, match="pause_"):
         SpeculativeConfig(**kw)

@@ -48,9 +48,11 @@ class SpeculativeConfig:
     num_nextn_predict_layers: int = 1  # draft tokens per step (DeepSeek-V4's one MTP layer is reused)
     max_draft_len: int | None = None  # alias used by newer TensorRT-LLM releases
     # drafting paused while fewer of the last drafts than this are accepted (0: never), a probe step every
-    # pause_probe_interval paused steps (engine/spec_pause.py): speculation that does not pay costs little
+    # pause_probe_interval paused steps, doubled after each probe that does not resume up to
+    # pause_max_probe_interval (engine/spec_pause.py): speculation that does not pay costs little
     pause_below_acceptance: float = 0.3
     pause_probe_interval: int = 32
+    pause_max_probe_interval: int = 256
 
     def __post_init__(self):
         if self.decoding_type.upper() != "MTP":
@@ -68,6 +70,10 @@ class SpeculativeConfig:
         if self.pause_probe_interval < 1:
             raise EngineConfigError(f"speculative_config.pause_probe_interval {self.pause_probe_interval}: the"
                                     " paused steps between two probes, >= 1")
+        if self.pause_max_probe_interval < self.pause_probe_interval:
+            raise EngineConfigError(f"speculative_config.pause_max_probe_interval {self.pause_max_probe_interval}:"
+                                    " the most paused steps between two probes, >= pause_probe_interval"
+                                    f" ({self.pause_probe_interval})")
 
     @property
     def draft_len(self) -> int:

@@ -74,7 +74,8 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         # drafting paused while it does not pay (spec_pause.py; the single-device runner's keep-up passes)
         spec = engine_cfg.speculative_config
-        self.pause = (DraftPause(spec.pause_below_acceptance, probe_every=spec.pause_probe_interval)
+        self.pause = (DraftPause(spec.pause_below_acceptance, probe_every=spec.pause_probe_interval,
+                                  max_probe_every=spec.pause_max_probe_interval)
                       if self.draft_len and spec.pause_below_acceptance > 0 and self.runner.pauses_drafting
                       else None)
         self.requests: dict[str, Request] = {}

@@ -8,7 +8,9 @@ engine's steps then propose nothing (one row per request, as with MTP off) and o
 current (``DeepseekV4.mtp_keep_up``: the window rows its attention stores for the step's rows, the same bits as
 its whole pass, without the attention output, the MoE or the head), so that drafting can start again at any
 step. Every ``probe_every`` paused steps one step drafts again (a probe); the acceptance read back from probes
-resumes drafting when it reaches ``below``.
+resumes drafting when it reaches ``below``. Each probe that does not resume doubles the paused steps before the
+next, up to ``max_probe_every`` (a probe costs a drafting step and a verify step: at zero acceptance it is all of
+what paused MTP costs beyond its keep-up passes); a resume starts again from ``probe_every``.
 
 The outputs do not depend on it (drafts change only how many tokens a step emits); it is plain host
 bookkeeping, one decision per step (``drafts_now``), fed by the engine's reads of each verdict (``record``).
@@ -20,12 +22,15 @@ from collections import deque
 
 
 class DraftPause:
-    def __init__(self, below: float, window: int = 32, probe_every: int = 32):
+    def __init__(self, below: float, window: int = 32, probe_every: int = 32, max_probe_every: int | None = None):
         if not 0 <= below <= 1:
             raise ValueError(f"pause threshold {below}: an acceptance rate in [0, 1]")
         if window < 1 or probe_every < 1:
             raise ValueError(f"window {window} and probe_every {probe_every} must be >= 1")
-        self.below, self.window, self.probe_every = below, window, probe_every
+        max_probe_every = probe_every if max_probe_every is None else max_probe_every
+        if max_probe_every < probe_every:
+            raise ValueError(f"max_probe_every {max_probe_every} must be >= probe_every {probe_every}")
+        self.below, self.window, self.probe_every, self.max_probe_every = below, window, probe_every, max_probe_every
         self.reset()
 
     def reset(self) -> None:
@@ -33,6 +38,7 @@ class DraftPause:
         self._recent: deque[tuple[int, int]] = deque()  # (drafts, accepted) per verified seq, newest last
         self._drafts = self._accepted = 0  # their sums
         self._since_probe = 0
+        self.probe_interval = self.probe_every  # paused steps before the next probe (doubled by each failed one)
         self.num_pauses = self.num_resumes = self.num_paused_steps = 0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
@@ -62,7 +68,7 @@ class DraftPause:
         """Whether this step's requests draft for the next step (called once per step that proposes)."""
         if not self.paused:
             if self._drafts >= self.window and self.rate < self.below:
-                self.paused, self._since_probe = True, 0
+                self.paused, self._since_probe, self.probe_interval = True, 0, self.probe_every
                 self.num_pauses += 1
                 self._clear()
             else:
@@ -73,8 +79,9 @@ class DraftPause:
                 self.num_resumes += 1
                 return True
             self._clear()
+            self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
         self._since_probe += 1
-        if self._since_probe >= self.probe_every:
+        if self._since_probe >= self.probe_interval:
             self._since_probe = 0
             return True  # a probe
         self.num_paused_steps += 1
@@ -82,4 +89,4 @@ class DraftPause:
 
     def as_dict(self) -> dict:
         return {"paused": self.paused, "below": self.below, "num_pauses": self.num_pauses,
-                "num_resumes": self.num_resumes, "num_paused_steps": self.num_paused_steps}
+                "num_resumes": self.num_resumes, "num_paused_steps": self.num_paused_steps, "probe_interval": self.probe_interval}
