@@ -2,9 +2,9 @@
 # Thirty-first session, the one call left: the seed's command (dsv4-bench, 64 x 1024/128 at concurrency 32 on
 # flash-L4-E32, the seed's mtp.yml, and the same without speculative_config) with this session's paused steps
 # (no acceptance kernels in a keep-up step's graph; probes backing off) against the previous behaviour
-# ("mtp_before": GraphRunner.slim_keep_step off, pause_max_probe_interval 32), alternating; then
-# mtp_step_gpu.py --diff (every kernel a paused step runs beyond MTP off's) and seed_steps_gpu.py (mtp-bare:
-# what a paused step costs beyond its keep-up pass and probes).
+# ("before": GraphRunner.slim_keep_step off, pause_max_probe_interval 32), alternating with off; between them
+# mtp_step_gpu.py --diff (every kernel a paused step runs beyond MTP off's). In order of need: what does not
+# fit the call's time is cut from the end.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,12 +28,12 @@ main()" --model flash-L4-E32 --model_path flash-L4-E32 throughput \
 }
 run off1 /tmp/nomtp.yml True
 run mtp1 examples/mtp.yml True
-run before1 /tmp/before.yml False
 run off2 /tmp/nomtp.yml True
 run mtp2 examples/mtp.yml True
-run before2 /tmp/before.yml False
 cd bench
 timeout 110 python3 mtp_step_gpu.py --preset flash-L4-E32 --concurrency 32 --ks 0 1 --prompt-len 768 --gen 128 \
   --top 3 --diff 30 --no-probes --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -40
-timeout 90 python3 seed_steps_gpu.py --runs off mtp-bare mtp \
-  --append "$OUT/BENCHMARKS.part.md" 2>&1 | grep -v Warn | tail -5
+cd ..
+run before1 /tmp/before.yml False
+run off3 /tmp/nomtp.yml True
+run before2 /tmp/before.yml False
