@@ -117,7 +117,9 @@ def _run(k: int, verify_path: dict, on_device: bool, prompts, params, abort_at: 
     output, the stats, how many verify steps took each path and every draft the MTP proposed."""
     llm = LLM("tiny", max_batch_size=6, max_num_tokens=48, max_seq_len=160,
               kv_cache_config={"max_tokens": 384, "tokens_per_block": 16},  # room for ~2 growing sequences
-              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k}, warmup=False)
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k,
+                                  "pause_below_acceptance": 0},  # every step drafts: every verify compared
+              warmup=False)
     eng = llm.engine
     verify_path.update(device=on_device, on_device=0, on_host=0)
     ref = LLM("tiny", max_batch_size=8, max_seq_len=160, warmup=False).generate(
