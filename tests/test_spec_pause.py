@@ -71,6 +71,24 @@ def test_the_window_slides_and_good_acceptance_never_pauses():
     assert not p.paused and p.rate is None and p.num_pauses == 0
 
 
+def test_the_engine_backs_off_its_probes_as_configured():
+    """The random MTP layer is never right: with probes backing off (pause_max_probe_interval 16) the engine
+    verifies fewer drafts than when every probe comes after pause_probe_interval, with the same tokens."""
+    prompts, lengths = _workload(3, 5)
+    runs = []
+    for most in (2, 16):
+        llm = LLM("tiny", warmup=False, max_batch_size=4, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1,
+                                      "pause_below_acceptance": 0.5, "pause_probe_interval": 2,
+                                      "pause_max_probe_interval": most})
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=60, ignore_eos=True)] * len(prompts))
+        spec = llm.get_stats()["speculative"]
+        runs.append(([o.outputs[0].token_ids for o in outs], spec["num_verify_steps"], spec["pause"]))
+    (toks, verifies, pause), (toks_b, verifies_b, pause_b) = runs
+    assert toks == toks_b and pause["probe_interval"] == 2 and pause_b["probe_interval"] == 16
+    assert verifies_b < verifies
+
+
 @pytest.mark.parametrize("kw", [{"pause_below_acceptance": 1.5}, {"pause_below_acceptance": -0.1},
                                 {"pause_probe_interval": 0},
                                 {"pause_probe_interval": 64, "pause_max_probe_interval": 32}])

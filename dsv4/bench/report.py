@@ -294,7 +294,9 @@ def format_report(rep: dict) -> str:
         L.append(_row("Drafting paused (steps / pauses / resumes)",
                       "never (pause_below_acceptance 0)" if pause is None else
                       f"{pause['num_paused_steps']} / {pause['num_pauses']} / {pause['num_resumes']}"
-                      f" (below {pause['below']} acceptance)"))
+                      f" (below {pause['below']} acceptance"
+                      + (f"; next probe after {pause['probe_interval']} paused steps)" if "probe_interval" in pause
+                         else ")")))
     if rep["notes"]:
         L += _banner("NOTES")
         L += [f"- {n}" for n in rep["notes"]]
