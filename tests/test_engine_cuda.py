@@ -219,6 +219,39 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda(dtype, monkeypa
     assert_same_steps(*runs)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_paused_steps_far_from_a_probe_leave_the_mtp_ring_on_cuda(dtype, monkeypatch):
+    """CUDA graphs captured: paused steps more than the ring's span before the next probe replay the keep-up
+    runner's bare whole-step graph (no keep-up pass), against a run that keeps up at every paused step: the same
+    tokens and steps, and every ring row the cache calls current bit for bit after every step."""
+    from dsv4 import SamplingParams
+    from dsv4.engine.spec_pause import DraftPause
+
+    from .traces import assert_same_current_rows, ring_spans
+
+    rng = random.Random(23)
+    prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (3, 40, 150, 9)]
+    runs, bare = [], []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(DraftPause, "keeps_up", lambda self, margin: True)
+        llm = _engine("tiny", dtype=dtype, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
+                      cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]})
+        eng = llm.engine
+        n = eng.runner.keep_graphs.num_bare_steps  # (warmup's)
+        eng.pause = DraftPause(1.0, window=1, probe_every=eng.cache.layout.swa_cap + 6)
+        rids = [eng.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in prompts]
+        trace = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append(([tuple(eng.requests[r].output_ids) for r in rids]
+                          + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))
+        runs.append(trace)
+        bare.append(eng.runner.keep_graphs.num_bare_steps - n)
+    assert bare[0] > 0 and bare[1] == 0
+    assert assert_same_current_rows(*runs) > 0
+
+
 @pytest.mark.parametrize("pause", [False, True])
 def test_kept_rows_mtp_pass_equals_every_rows_pass_on_cuda(pause, monkeypatch):
     """CUDA graphs captured, batch-invariant, fp32: the MTP catch-up pass over each request's last swa_cap rows

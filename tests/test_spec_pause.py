@@ -14,7 +14,7 @@ from dsv4.engine.config import EngineConfigError, SpeculativeConfig
 from dsv4.engine.proposer import use_known_answers
 from dsv4.engine.spec_pause import DraftPause
 
-from .traces import assert_same_steps, run_traced, run_with_aborts
+from .traces import assert_same_current_rows, assert_same_steps, ring_spans, run_traced, run_with_aborts
 
 
 def test_pauses_below_the_threshold_and_probes():
@@ -183,9 +183,10 @@ def test_warmup_runs_the_paused_path(monkeypatch):
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
-    assert any(n.startswith("MTP with drafting paused") for n in llm.warmup_paths)
+    assert any(n.startswith("MTP with drafting paused (") for n in llm.warmup_paths)
+    assert any(n.startswith("MTP with drafting paused far from a probe") for n in llm.warmup_paths)
     eng = llm.engine
-    assert eng.runner.keep_graphs.num_replays > 0
+    assert eng.runner.keep_graphs.num_replays > 0 and eng.runner.keep_graphs.num_bare_steps > 0
     assert isinstance(eng.pause, DraftPause) and eng.pause.below == 0.3 and not eng.pause.paused
     assert not eng.requests and eng.cache.num_free_slots == eng.cache.num_slots
 
@@ -303,3 +304,74 @@ def test_random_workload_with_pauses_preemption_aborts_and_sampling(overlap):
                 assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
     cache = eng.cache
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
+
+
+@pytest.mark.parametrize("overlap,graphs,whole", [(True, True, True), (False, True, True), (True, True, False),
+                                                 (True, False, False), (False, False, False)])
+def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs, whole, monkeypatch):
+    """A paused step more than the ring's span (swa_cap steps) before the next probe skips the MTP layer's
+    keep-up pass (eagerly, on the separate graphs, on the keep-up runner's bare whole-step graph). Against a run that keeps up at
+    every paused step: the same tokens, steps and (read back on the host) drafts at every step, and
+    after every step the same ring rows wherever the cache calls them current (``mtp_stale_to``)."""
+    if graphs:
+        monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    prompts, lengths = _workload(4, 19)
+    lengths = [n + 40 for n in lengths]  # several probe intervals
+    kw = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}} if graphs else {}
+    runs, skipped = [], []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(DraftPause, "keeps_up", lambda self, margin: True)
+        llm = LLM("tiny", warmup=False, max_batch_size=4, max_num_tokens=64, max_seq_len=256,
+                  kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
+        eng = llm.engine
+        S = eng.cache.layout.swa_cap
+        eng.pause = DraftPause(1.0, window=1, probe_every=S + 6)  # paused steps 3..5 after a probe skip
+        if graphs:
+            eng.runner.keep_graphs.whole_step = whole
+        calls = []
+        real = eng.model.mtp_keep_up
+        eng.model.mtp_keep_up = lambda X, ids, backend: calls.append(1) or real(X, ids, backend)
+        rids = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        trace = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
+                          + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))
+        assert eng.pause.num_paused_steps > 2 * S
+        skipped.append((len(calls), eng.runner.keep_graphs.num_bare_steps if graphs else None))
+        runs.append(trace)
+    (calls_skip, bare), (calls_all, bare_all) = skipped
+    assert calls_skip < calls_all  # keep-up passes left out (graphed: replays of the bare graph instead)
+    if graphs:
+        assert (bare > 0) == whole and not bare_all
+    a, b = runs
+    stale_rows = assert_same_current_rows(a, b)
+    verifies = sum(seen[-1][1] == 3 * seen[-1][0] for seen, _ in a)  # steps of 1 + 2 drafts a request
+    assert stale_rows > 0 and verifies >= 3  # rows were stale; probes drafted (and were verified)
+
+
+def test_drafting_waits_until_the_mtp_ring_is_current():
+    """A pause reset while the ring is stale (steps that skipped the keep-up pass): the engine would draft at
+    once, but holds back (steps of one row, the keep-up pass) until no request's ring span holds a stale row."""
+    prompts, lengths = _workload(2, 23)
+    llm = LLM("tiny", warmup=False, max_batch_size=4, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1})
+    eng = llm.engine
+    S = eng.cache.layout.swa_cap
+    eng.pause = DraftPause(1.0, window=1, probe_every=10 ** 6)  # paused for good, every paused step far off
+    rids = [eng.add_request(p, SamplingParams(max_tokens=S + 30, ignore_eos=True)) for p in prompts]
+    for _ in range(8):
+        eng.step()
+    assert not eng.cache.mtp_current(rids)
+    eng.pause.reset()  # drafting resumes: not before the rings are current again
+    held = 0
+    while not eng.cache.mtp_current(rids):
+        eng.step()
+        assert eng.last_step["num_tokens"] == len(rids)  # one row a request: nothing verified, nothing drafted
+        held += 1
+    assert 0 < held <= S + 2
+    eng.step()  # current now: this step drafts, the next verifies
+    eng.step()
+    assert eng.last_step["num_tokens"] == 2 * len(rids)  # each request verifies its 1 draft

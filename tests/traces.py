@@ -40,3 +40,30 @@ def assert_same_steps(a: list, b: list) -> None:
     for (seen, rings), (seen_b, rings_b) in zip(a, b):
         assert seen == seen_b
         assert all(torch.equal(x, y) for x, y in zip(rings, rings_b))
+
+
+def ring_spans(eng, rids) -> list:
+    """Per live request: (its ``mtp_stale_to``, its window-ring rows of every layer, the MTP layer's included,
+    at the ring's span of positions before its committed length, oldest first)."""
+    S, cache, out = eng.cache.layout.swa_cap, eng.cache, []
+    for rid in rids:
+        if rid not in cache._reqs:
+            continue
+        q = cache._reqs[rid]
+        span = range(q.num_computed - S, q.num_computed)
+        rows = [q.slot * S + p % S for p in span]
+        out.append((max(q.mtp_stale_to - span.start, 0), [t[rows].clone() for t in eng.storage.swa]))
+    return out
+
+
+def assert_same_current_rows(a: list, b: list) -> int:
+    """Two traces of (step outputs, ``ring_spans``): the same outputs at every step and the same ring rows from
+    the first row trace ``a``'s cache calls current; returns how many rows it called stale in all."""
+    assert len(a) == len(b)
+    stale_rows = 0
+    for (seen, spans), (seen_b, spans_b) in zip(a, b):
+        assert seen == seen_b
+        for (first, rows), (_, rows_b) in zip(spans, spans_b):
+            stale_rows += first
+            assert all(torch.equal(x[first:], y[first:]) for x, y in zip(rows, rows_b))
+    return stale_rows

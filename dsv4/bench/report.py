@@ -127,7 +127,8 @@ def _graphs(llm) -> dict | None:
     keep = getattr(llm.engine.runner, "keep_graphs", None)  # MTP's one-row buckets: paused steps, probes
     return {"captured": g.capture, "batch_sizes": list(g.buckets), "rows_per_request": g.rows,
             "prefill_tokens": list(g.prefill_tokens), "replays": g.num_replays,
-            "prefill_replays": g.num_prefill_replays, "keep_up_replays": None if keep is None else keep.num_replays}
+            "prefill_replays": g.num_prefill_replays, "keep_up_replays": None if keep is None else keep.num_replays,
+            "bare_replays": None if keep is None else keep.num_bare_steps}
 
 
 def build_report(*, llm, settings, result: RunResult, model: str, model_path: str, model_kind: str,
@@ -247,7 +248,8 @@ def format_report(rep: dict) -> str:
                   f" {g.get('prefill_tokens')} tokens; {g['replays']} step(s) replayed"
                   f" ({g.get('prefill_replays', 0)} prefill)"
                   + ("" if g.get("keep_up_replays") is None else
-                     f", {g['keep_up_replays']} on the one-row MTP buckets (drafting paused)")))
+                     f", {g['keep_up_replays']} on the one-row MTP buckets (drafting paused"
+                     + (f"; {g['bare_replays']} without the keep-up pass" if g.get("bare_replays") else "") + ")")))
     L.append(_row("Overlap scheduler", e.get("overlap_scheduler", "-")))
     L.append(_row("KV cache dtype / tokens per block", f"{kv['dtype']} / {kv['tokens_per_block']}"))
     L.append(_row("KV cache free memory fraction",

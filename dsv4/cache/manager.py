@@ -85,6 +85,8 @@ class _Req:
     blocks: list = field(default_factory=list)
     num_computed: int = 0  # committed rows the host knows (a lower bound while ``unsettled`` holds any)
     unsettled: dict = field(default_factory=dict)  # step id -> the most rows that step may still commit
+    # rows below this position may be stale in the MTP layer's window ring (steps that left its keep-up out)
+    mtp_stale_to: int = 0
 
     @property
     def max_computed(self) -> int:
@@ -198,14 +200,15 @@ class KVCacheManager:
     # ---- steps ----------------------------------------------------------------------------------------
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None,
-                   max_blocks: int | None = None, device="cpu", shift=None) -> StepPlan:
+                   max_blocks: int | None = None, device="cpu", shift=None, mtp_keep_up: bool = True) -> StepPlan:
         """Build the StepPlan of one step and make it the active plan (see plan.py for its tables).
 
         Every request must be admitted and have reserved C + num_new tokens (C at its largest, for a request
         with unsettled rows). Padding arguments give fixed shapes for CUDA graphs: pad_tokens_to (N),
         pad_batch_to (B), max_entries (E of entry_rows), max_blocks (width of block_table). ``shift``: a
         device tensor [len(seqs)], each request's committed rows beyond ``num_computed`` (0 .. its
-        ``num_unsettled``), needed when any request of the step has unsettled rows.
+        ``num_unsettled``), needed when any request of the step has unsettled rows. ``mtp_keep_up`` False: the
+        step leaves the MTP layer's window rows of its rows unwritten (``mtp_current``).
         """
         if self._active is not None:
             raise StepOrderError(f"begin_step: step {self._active.step_id} is still active; call "
@@ -246,9 +249,20 @@ class KVCacheManager:
             draft_lens=tuple(s.draft_len for s in seqs), slots=tuple(r.slot for r in reqs),
             block_tables=[tuple(r.blocks) for r in reqs], pad_tokens_to=pad_tokens_to,
             pad_batch_to=pad_batch_to, max_entries=max_entries, max_blocks=max_blocks, device=device,
-            unsettled=unsettled, shift=shift if any(unsettled) else None)
+            unsettled=unsettled, shift=shift if any(unsettled) else None, mtp_keep_up=mtp_keep_up)
+        if not mtp_keep_up:
+            for r, s in zip(reqs, seqs):
+                r.mtp_stale_to = max(r.mtp_stale_to, r.max_computed + s.num_new)
         self._active = plan
         return plan
+
+    def mtp_current(self, req_ids) -> bool:
+        """Whether every one of these requests may run a drafting MTP pass now: no row of its MTP window ring's
+        span (``swa_cap`` positions before its committed length) was left stale by a step without the keep-up
+        pass. A request admitted since (a new one, a preempted one back) starts current."""
+        cap = self.layout.swa_cap
+        return all(self._get(r, "mtp_current").mtp_stale_to <= max(0, self._reqs[r].num_computed - cap)
+                   for r in req_ids)
 
     def check_plan(self, plan: StepPlan) -> None:
         """Raise StalePlanError unless ``plan`` is this manager's active plan."""

@@ -211,6 +211,9 @@ class StepPlan:
     # per request: the most committed rows its C may lack on the host (an overlapped MTP step's acceptance,
     # still on the device): ``num_computed`` is then a lower bound and ``rows`` holds C + the device's shift
     unsettled: tuple = ()
+    # whether this step's MTP pass writes the MTP layer's window rows of its rows (False: a paused step far from
+    # the next probe leaves them, ``KVCacheManager.mtp_current`` says when a request's ring can be read again)
+    mtp_keep_up: bool = True
 
     @property
     def swa_step_base(self) -> int:
@@ -375,7 +378,7 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
                slots: Sequence[int], block_tables: Sequence[Sequence[int]], pad_tokens_to: int | None = None,
                pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
                device="cpu", unsettled: Sequence[int] | None = None,
-               shift: torch.Tensor | None = None) -> StepPlan:
+               shift: torch.Tensor | None = None, mtp_keep_up: bool = True) -> StepPlan:
     """Turn a validated batch (host ints) into a StepPlan. Pure: reads only its arguments.
 
     The manager validates requests; this checks only the padding arguments, which it alone interprets.
@@ -438,5 +441,5 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         num_new=tuple(num_new), draft_lens=tuple(draft_lens), slot_ids=tuple(slots),
         block_ids=tuple(tuple(b) for b in block_tables), num_tokens=N, num_seqs=B, shape=shape,
         num_windows=None if any(unsettled) else MappingProxyType(real_windows), layout=layout,
-        num_slots=num_slots, rows=rows, unsettled=unsettled,
+        num_slots=num_slots, rows=rows, unsettled=unsettled, mtp_keep_up=mtp_keep_up,
     )

@@ -144,10 +144,15 @@ class LLMEngine:
             return early + self._settle(*done)
         mtp = self.draft_len > 0
         drafting = mtp and self._drafts_now(seqs)  # this step's requests propose drafts for the next
+        keep_up = True
+        if mtp and self.pause is not None:
+            if drafting and not self.cache.mtp_current([s.request.request_id for s in seqs]):
+                drafting = False  # a ring left stale by paused steps: drafting waits until it is current
+            keep_up = drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (drafting and s.sample) else 0)
              for s in seqs],
-            device=self.device, shift=self._shift(seqs, prev), **self.runner.padding_for(seqs))
+            device=self.device, shift=self._shift(seqs, prev), mtp_keep_up=keep_up, **self.runner.padding_for(seqs))
         done: tuple[list, list] = ([], [])
         launched, committed = None, False
         try:

@@ -98,6 +98,7 @@ class _Bucket:
     prefill: bool = False  # a prefill bucket: one request, up to shape.tokens tokens, streams only
     keep_out: None = None  # (the keep-up pass returns nothing: it only stores the MTP layer's window rows)
     keep_consts: tuple | None = None  # (zeros, ones, -1) [B]: the known acceptance columns of a keep-up step
+    bare_out: StepGraphOut | None = None  # a keep-up runner's whole step without its keep-up pass
 
 
 class GraphRunner:
@@ -126,6 +127,7 @@ class GraphRunner:
         self.num_replays = 0
         self.num_prefill_replays = 0  # replays of a prefill bucket's target graph (counted in num_replays too)
         self.num_whole_steps = 0  # replays of the whole-step graph (counted in num_replays too)
+        self.num_bare_steps = 0  # of those, a keep-up runner's without its keep-up pass (plan.mtp_keep_up False)
         self.released = False
 
     # ---- which steps -------------------------------------------------------------------------------
@@ -268,7 +270,13 @@ class GraphRunner:
         packed = torch.cat([G, rows, checks.reshape(-1), D.reshape(-1)])
         return StepGraphOut(X, logits, G, a, rows, last, D, inp.new_lens, packed)
 
-    def _keep_step(self, bk: _Bucket, tables, X, logits, G) -> StepGraphOut:
+    def _bare(self, bk: _Bucket) -> StepGraphOut:
+        """A keep-up runner's whole step without the keep-up pass (``plan.mtp_keep_up`` False): the target pass
+        and its greedy verdict, nothing of the MTP layer."""
+        tables, X, logits = self._forward(bk)
+        return self._keep_step(bk, tables, X, logits, greedy_tokens(logits), keep_up=False)
+
+    def _keep_step(self, bk: _Bucket, tables, X, logits, G, keep_up: bool = True) -> StepGraphOut:
         """``_step`` of a keep-up runner (no drafts) without the acceptance kernels, whose results are known: each
         row accepts 0 drafts and emits its target token; its checked draft is -1; the MTP layer keeps up on that
         token. The constant columns are made in the bucket's first (eager) run, outside any capture, so a replay
@@ -277,7 +285,8 @@ class GraphRunner:
         if bk.keep_consts is None:
             bk.keep_consts = (G.new_zeros(B), G.new_ones(B), G.new_full((B,), -1))
         zero, one, minus_one = bk.keep_consts
-        self.model.mtp_keep_up(X, G, self._backend(tables))
+        if keep_up:
+            self.model.mtp_keep_up(X, G, self._backend(tables))
         packed = torch.cat([G, one, minus_one])
         return StepGraphOut(X, logits, G, zero, one, G, G.new_zeros(B, 0), tables.computed_lens[:B] + 1, packed)
 
@@ -316,6 +325,8 @@ class GraphRunner:
                     steps.append(("keep", lambda: self._keep(bk), "keep_out"))
             if self.whole_step and not bk.prefill:
                 steps.append(("step", lambda: self._step(bk), "step_out"))
+                if self.keep_up:
+                    steps.append(("bare", lambda: self._bare(bk), "bare_out"))
             for name, fn, slot in steps:  # eager first: the static outputs exist, kernels are loaded
                 self._store(bk, slot, fn())
             if not self.capture:
@@ -386,6 +397,12 @@ class GraphRunner:
         bk.ids.copy_(ids)
         self.num_replays += 1
         self.num_whole_steps += 1
+        if self.keep_up and not plan.mtp_keep_up:  # (a paused step far from the next probe)
+            self.num_bare_steps += 1
+            out = self._run(bk, "bare", lambda: self._bare(bk))
+            if out is not None:
+                bk.bare_out = out
+            return replace(bk.bare_out, host=HostCopy(bk.bare_out.packed))
         out = self._run(bk, "step", lambda: self._step(bk))
         if out is not None:
             bk.step_out = out

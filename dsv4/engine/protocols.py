@@ -18,9 +18,13 @@ class StepCache(Protocol):
 
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-                   device="cpu", shift=None):
+                   device="cpu", shift=None, mtp_keep_up: bool = True):
         """Reserve the step's rows and return its immutable plan (a StepPlan, or a LanePlans of them);
-        ``shift``: the device's committed rows beyond the host's, for requests with unsettled rows."""
+        ``shift``: the device's committed rows beyond the host's, for requests with unsettled rows;
+        ``mtp_keep_up`` False: the step leaves the MTP layer's window rows unwritten (drafting paused)."""
+
+    def mtp_current(self, req_ids) -> bool:
+        """Whether these requests' MTP window rings hold every row a drafting pass reads."""
 
     def commit_step(self, plan, num_accepted: Sequence[int], unsettled: Sequence[int] | None = None) -> None: ...
 

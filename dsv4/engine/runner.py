@@ -394,7 +394,10 @@ class ModelRunner:
         else:
             backend = None if graphed else self._backend(plan)
         if not any_active and (graphs.keep_up if graphs is not None else self.pauses_drafting):
-            # nothing drafts: only the MTP layer's window rows (not on several ranks: every rank runs one pass)
+            # nothing drafts: only the MTP layer's window rows (not on several ranks: every rank runs one pass),
+            # or nothing where the step leaves them (a paused step far from the next probe)
+            if not plan.mtp_keep_up:
+                return
             if graphs is not None:
                 graphs.keep(plan, next_ids)
             else:

@@ -10,7 +10,10 @@ its whole pass, without the attention output, the MoE or the head), so that draf
 step. Every ``probe_every`` paused steps one step drafts again (a probe); the acceptance read back from probes
 resumes drafting when it reaches ``below``. Each probe that does not resume doubles the paused steps before the
 next, up to ``max_probe_every`` (a probe costs a drafting step and a verify step: at zero acceptance it is all of
-what paused MTP costs beyond its keep-up passes); a resume starts again from ``probe_every``.
+what paused MTP costs beyond its keep-up passes); a resume starts again from ``probe_every``. A paused step
+more than ``margin`` steps before the next probe need not keep the MTP layer's ring current at all
+(``keeps_up``): with ``margin`` the ring's span, the rows it would write have left the window by the time a
+probe reads it (the engine checks that each request's ring is current before it drafts, ``mtp_current``).
 
 The outputs do not depend on it (drafts change only how many tokens a step emits); it is plain host
 bookkeeping, one decision per step (``drafts_now``), fed by the engine's reads of each verdict (``record``).
@@ -86,6 +89,13 @@ class DraftPause:
             return True  # a probe
         self.num_paused_steps += 1
         return False
+
+    def keeps_up(self, margin: int) -> bool:
+        """Whether this step (after its ``drafts_now``) keeps the MTP layer's ring current: any step while not
+        paused, a paused one at most ``margin`` steps before the next probe, and the two after a probe (the
+        one that verifies its drafts and, overlapped, the one launched before they are read back: a resume may
+        follow them)."""
+        return not self.paused or self._since_probe <= 2 or self.probe_interval - self._since_probe <= margin
 
     def as_dict(self) -> dict:
         return {"paused": self.paused, "below": self.below, "num_pauses": self.num_pauses,

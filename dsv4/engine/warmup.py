@@ -15,13 +15,15 @@ class WarmupError(RuntimeError):
     """A warmup path failed; the message names the path and the cause."""
 
 
-def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, bool]]:
-    """(name, prompt lengths, max_tokens, with a sampled request, drafting paused) of each path: a context chunk of
+def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, int | None]]:
+    """(name, prompt lengths, max_tokens, with a sampled request, the probe interval of a pause that starts at the
+    first rejected draft: None for the engine's own) of each path: a context chunk of
     max_num_tokens, one request's prefill for each prefill graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
     ``run_warmup``), and where the engine may pause drafting, the same batch with drafting paused (steps of one
-    row with the MTP layer's keep-up pass, probes, and the steps into and out of a pause)."""
+    row with the MTP layer's keep-up pass, probes, and the steps into and out of a pause), then paused with no
+    probe in sight (steps without the keep-up pass: ``DraftPause.keeps_up``)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
@@ -30,22 +32,24 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, bool]]:
     batch = min(cfg.max_batch_size * lanes, engine.cache.num_free_slots)
     decode_out = min(2, L - 1)
     decode_prompt = max(1, min(4, L - decode_out))
-    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False, False)]
+    paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False, None)]
     # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
     graphs = engine.runner.graphs
     for T in sorted({min(T, L - 2) for T in (graphs.prefill_tokens if graphs is not None else ())} - {chunk}):
-        paths.append((f"one-request prefill graph of {T} tokens", [T], 2, False, False))
-    paths.append(("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False, False))
+        paths.append((f"one-request prefill graph of {T} tokens", [T], 2, False, None))
+    paths.append(("decode batch of max_batch_size=%d" % batch, [decode_prompt] * batch, decode_out, False, None))
     if engine.draft_len:
         steps = 2 + 2 * (engine.draft_len + 1)  # enough to verify twice, where max_seq_len leaves room
         prompt = max(1, min(4, L - steps))
         paths.append((f"MTP verify + draft (draft_len={engine.draft_len}, batch {batch})",
-                      [prompt] * batch, min(steps, L - prompt), True, False))
+                      [prompt] * batch, min(steps, L - prompt), True, None))
         if engine.pause is not None:  # steps of one row with the keep-up pass, probes, and the steps between
             steps = 8 + 2 * (engine.draft_len + 1)
             prompt = max(1, min(4, L - steps))
             paths.append((f"MTP with drafting paused (keep-up passes and probes, batch {batch})", [prompt] * batch,
-                          min(steps, L - prompt), False, True))
+                          min(steps, L - prompt), False, 3))
+            paths.append((f"MTP with drafting paused far from a probe (no keep-up pass, batch {batch})",
+                          [prompt] * batch, min(steps, L - prompt), False, 10 ** 9))
     return paths
 
 
@@ -54,11 +58,11 @@ def run_warmup(engine) -> list[str]:
     both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
     request (the separate graphs, keyed draws verified on the device)."""
     done = []
-    for name, prompt_lens, max_tokens, with_sampled, paused in warmup_paths(engine):
+    for name, prompt_lens, max_tokens, with_sampled, probe_every in warmup_paths(engine):
         ids = []
         policy = engine.pause
-        if paused:  # paused after the first rejected draft, a probe every third step
-            engine.pause = DraftPause(1.0, window=1, probe_every=3)
+        if probe_every is not None:  # paused after the first rejected draft
+            engine.pause = DraftPause(1.0, window=1, probe_every=probe_every)
         try:
             params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in prompt_lens]
             if with_sampled:

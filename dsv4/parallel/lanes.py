@@ -43,9 +43,11 @@ class LaneCaches:
 
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-                   device="cpu", shift=None) -> LanePlans:
+                   device="cpu", shift=None, mtp_keep_up: bool = True) -> LanePlans:
         if shift is not None:
             raise NotImplementedError("attention-DP lanes do not overlap MTP steps (no unsettled rows to shift)")
+        if not mtp_keep_up:
+            raise NotImplementedError("attention-DP lanes do not pause drafting (every step keeps the MTP ring)")
         lanes: list[list[SeqStep]] = [[] for _ in self.managers]
         idx: list[list[int]] = [[] for _ in self.managers]
         for i, s in enumerate(seqs):
@@ -71,6 +73,9 @@ class LaneCaches:
                                                                    ("max_blocks", max_blocks)) if v is not None}),
                 device)
         return LanePlans(tuple(plans), local, tuple(tuple(i) for i in idx), N, B)
+
+    def mtp_current(self, req_ids) -> bool:
+        return all(self.managers[self.lane_of[r]].mtp_current([r]) for r in req_ids)
 
     def commit_step(self, plan: LanePlans, num_accepted: Sequence[int], unsettled: Sequence[int] | None = None) -> None:
         if unsettled is not None and any(unsettled):
