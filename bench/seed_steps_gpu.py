@@ -9,7 +9,9 @@ costs against off, ``mtp-no-keep-up`` (the keep-up pass of paused steps skipped:
 wrong, which zero acceptance does not notice), ``mtp-no-probes`` (a paused engine never probes) and
 ``mtp-all-rows`` (the catch-up pass over every prompt row: ``ModelRunner.mtp_tail_rows`` off),
 ``mtp-wide-keep`` (a paused step's graph with a drafting step's acceptance kernels: ``GraphRunner.slim_keep_step``
-off), and ``mtp-bare`` (neither keep-up passes nor probes: what a paused step costs beyond them)."""
+off), ``mtp-bare`` (neither keep-up passes nor probes: what a paused step costs beyond them) and
+``mtp-keep-every-step`` (every paused step keeps the MTP ring current, also those far from the next probe:
+``DraftPause.keeps_up`` always True)."""
 
 from __future__ import annotations
 
@@ -27,15 +29,20 @@ from dsv4.bench.options import load_yaml
 from dsv4.config import get_preset
 from dsv4.engine.graphs import GraphRunner
 from dsv4.engine.runner import ModelRunner
+from dsv4.engine.spec_pause import DraftPause
 from dsv4.model.model import DeepseekV4
 
 SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
-RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows", "mtp-wide-keep", "mtp-bare")
+RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows", "mtp-wide-keep", "mtp-bare",
+        "mtp-keep-every-step")
 
 
 def run_variant(label: str, *args):
     """``run`` with the run's switches set for it (and restored after)."""
     keep_up, tail, slim = DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows, GraphRunner.slim_keep_step
+    keeps_up = DraftPause.keeps_up
+    if label == "mtp-keep-every-step":
+        DraftPause.keeps_up = lambda self, margin: True
     if label in ("mtp-no-keep-up", "mtp-bare"):
         DeepseekV4.mtp_keep_up = lambda self, X, next_ids, backend: None
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
@@ -44,6 +51,7 @@ def run_variant(label: str, *args):
         return run(0 if label == "off" else 1, label in ("mtp-no-probes", "mtp-bare"), *args)
     finally:
         DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows, GraphRunner.slim_keep_step = keep_up, tail, slim
+        DraftPause.keeps_up = keeps_up
 
 
 def run(k: int, no_probes: bool, prompts, gen: int, concurrency: int, preset: str, device: str):
