@@ -312,22 +312,32 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
     """A paused step more than the ring's span (swa_cap steps) before the next probe skips the MTP layer's
     keep-up pass (eagerly, on the separate graphs, on the keep-up runner's bare whole-step graph). Against a run that keeps up at
     every paused step: the same tokens, steps and (read back on the host) drafts at every step, and
-    after every step the same ring rows wherever the cache calls them current (``mtp_stale_to``)."""
+    after every step the same ring rows wherever the cache calls them current (``mtp_stale_to``). A step with
+    prompt rows keeps up (the fourth request arrives while drafting is paused)."""
     if graphs:
         monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
     prompts, lengths = _workload(4, 19)
     lengths = [n + 40 for n in lengths]  # several probe intervals
+    prompts[3] = prompts[3] + [11] * 150  # prefilled in chunks while drafting is paused
     kw = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4]}} if graphs else {}
     runs, skipped = [], []
     for skip in (True, False):
         if not skip:
             monkeypatch.setattr(DraftPause, "keeps_up", lambda self, margin: True)
-        llm = LLM("tiny", warmup=False, max_batch_size=4, max_num_tokens=64, max_seq_len=256,
+        llm = LLM("tiny", warmup=False, max_batch_size=3, max_num_tokens=64, max_seq_len=256,
                   kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
                   speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
         eng = llm.engine
         S = eng.cache.layout.swa_cap
-        eng.pause = DraftPause(1.0, window=1, probe_every=S + 6)  # paused steps 3..5 after a probe skip
+        eng.pause = DraftPause(1.0, window=1, probe_every=S + 16)  # paused steps 3..15 after a probe skip
+        # (3 at a time: the fourth prompt is prefilled while drafting is paused)
+        plans, begin = [], eng.cache.begin_step
+
+        def recorded(seqs, **kw):  # (keeps up, prompt rows, a paused step far from the next probe)
+            plans.append((kw.get("mtp_keep_up", True), max(s.num_new for s in seqs) > 1,
+                          eng.pause.paused and not eng.pause.keeps_up(S)))
+            return begin(seqs, **kw)
+        eng.cache.begin_step = recorded
         if graphs:
             eng.runner.keep_graphs.whole_step = whole
         calls = []
@@ -340,6 +350,9 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
             trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
                           + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))
         assert eng.pause.num_paused_steps > 2 * S
+        if skip:  # a step with prompt rows keeps up, also far from a probe
+            assert any(far and prompt for _, prompt, far in plans)
+            assert all(keep for keep, prompt, _ in plans if prompt)
         skipped.append((len(calls), eng.runner.keep_graphs.num_bare_steps if graphs else None))
         runs.append(trace)
     (calls_skip, bare), (calls_all, bare_all) = skipped

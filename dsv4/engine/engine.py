@@ -148,7 +148,9 @@ class LLMEngine:
         if mtp and self.pause is not None:
             if drafting and not self.cache.mtp_current([s.request.request_id for s in seqs]):
                 drafting = False  # a ring left stale by paused steps: drafting waits until it is current
-            keep_up = drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
+            # (steps with prompt rows keep up: a prompt's rows stay current whenever it arrives)
+            keep_up = (drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
+                       or any(s.num_new > 1 or not s.sample for s in seqs))
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (drafting and s.sample) else 0)
              for s in seqs],
