@@ -382,6 +382,9 @@ class KVCacheManager:
             if q.num_computed < 0 or q.max_computed > len(q.blocks) * tpb:
                 errors.append(f"request {rid!r}: committed length {q.num_computed} outside reserved "
                               f"0..{len(q.blocks) * tpb} (up to {q.max_computed} once settled)")
+            if not 0 <= q.mtp_stale_to <= len(q.blocks) * tpb:
+                errors.append(f"request {rid!r}: MTP ring rows marked stale up to position {q.mtp_stale_to},"
+                              f" outside its 0..{len(q.blocks) * tpb} reserved tokens")
             if any(s >= self._step_id or not 0 < u <= maxd for s, u in q.unsettled.items()):
                 errors.append(f"request {rid!r}: unsettled rows {q.unsettled} name a step not committed yet or"
                               f" a count outside 1..max_draft_len={maxd}")
