@@ -12,32 +12,15 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${1:-1}" = 1 ]; then
-python3 -m dsv4.bench.cli --model flash-L4-E32 prepare-dataset --output /tmp/ds.jsonl token-norm-dist \
-  --num-requests 64 --input-mean 1024 --output-mean 128 --input-stdev 0 --output-stdev 0 > /dev/null
-grep -v "speculative_config\|decoding_type\|num_nextn" examples/mtp.yml > /tmp/nomtp.yml
-cp examples/mtp.yml /tmp/before.yml && echo "  pause_max_probe_interval: 32" >> /tmp/before.yml
-run() {  # $1: label, $2: config, $3: python run before the bench (the "before" switches), $4: timeout
-  echo "== $1"
-  timeout $4 python3 -c "
-import sys
-from dsv4.engine.graphs import GraphRunner
-from dsv4.engine.spec_pause import DraftPause
-$3
-from dsv4.bench.cli import main
-sys.argv = ['dsv4-bench'] + sys.argv[1:]
-main()" --model flash-L4-E32 --model_path flash-L4-E32 throughput \
-    --tp 1 --ep 1 --dataset /tmp/ds.jsonl --max_batch_size 64 --max_num_tokens 8192 --concurrency 32 \
-    --num_requests 64 --kv_cache_free_gpu_mem_fraction 0.8 --config $2 --device cuda --no_progress \
-    --report_json "$OUT/report_$1.json" 2>&1 \
-    | grep -i "output throughput\|drafting paused\|CUDA graphs\|Error\|Traceback" | head -5
-}
+. bench/seed_command.sh
+seed_prepare
 BEFORE="GraphRunner.slim_keep_step = False; DraftPause.keeps_up = lambda self, margin: True"
-run off1 /tmp/nomtp.yml "" 240
-run mtp1 examples/mtp.yml "" 100
-run before1 /tmp/before.yml "$BEFORE" 100
-run off2 /tmp/nomtp.yml "" 100
-run mtp2 examples/mtp.yml "" 100
-run before2 /tmp/before.yml "$BEFORE" 100
+seed_run off1 /tmp/nomtp.yml "" 240
+seed_run mtp1 examples/mtp.yml "" 100
+seed_run before1 /tmp/before.yml "$BEFORE" 100
+seed_run off2 /tmp/nomtp.yml "" 100
+seed_run mtp2 examples/mtp.yml "" 100
+seed_run before2 /tmp/before.yml "$BEFORE" 100
 else
 timeout 250 python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short tests/test_engine_cuda.py 2>&1 \
   | grep -v "CUDA warning" | tail -8
