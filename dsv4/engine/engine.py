@@ -143,18 +143,12 @@ class LLMEngine:
                               "num_free_blocks": self.cache.num_free_blocks}
             return early + self._settle(*done)
         mtp = self.draft_len > 0
-        drafting = mtp and self._drafts_now(seqs)  # this step's requests propose drafts for the next
-        keep_up = True
-        if mtp and self.pause is not None:
-            if drafting and not self.cache.mtp_current([s.request.request_id for s in seqs]):
-                drafting = False  # a ring left stale by paused steps: drafting waits until it is current
-            # (steps with prompt rows keep up: a prompt's rows stay current whenever it arrives)
-            keep_up = (drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
-                       or any(s.num_new > 1 or not s.sample for s in seqs))
+        drafting, keep_up = self._drafting_and_keep_up(seqs) if mtp else (False, True)
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (drafting and s.sample) else 0)
              for s in seqs],
-            device=self.device, shift=self._shift(seqs, prev), mtp_keep_up=keep_up, **self.runner.padding_for(seqs))
+            device=self.device, shift=self._shift(seqs, prev), mtp_keep_up=keep_up,
+            **self.runner.padding_for(seqs))
         done: tuple[list, list] = ([], [])
         launched, committed = None, False
         try:
@@ -217,6 +211,19 @@ class LLMEngine:
             if new or ended:
                 outs.append(self._output(req))
         return outs
+
+    def _drafting_and_keep_up(self, seqs: list[ScheduledSeq]) -> tuple[bool, bool]:
+        """Whether this MTP step's requests propose drafts for the next (``_drafts_now``; held back while a
+        request's MTP ring holds rows a paused step left stale), and whether the step keeps the MTP layer's ring
+        current (``DraftPause.keeps_up``; always where it drafts or has prompt rows, so that a prompt arriving
+        while drafting is paused is current whenever drafting resumes)."""
+        drafting = self._drafts_now(seqs)
+        if self.pause is None:
+            return drafting, True
+        if drafting and not self.cache.mtp_current([s.request.request_id for s in seqs]):
+            drafting = False
+        return drafting, (drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
+                          or any(s.num_new > 1 or not s.sample for s in seqs))
 
     def _drafts_now(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether this MTP step's requests draft (``DraftPause``: not while drafting does not pay; a step that
