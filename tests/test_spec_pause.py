@@ -179,7 +179,17 @@ def test_paused_steps_are_decode_steps_of_one_row():
 
 
 def test_warmup_runs_the_paused_path(monkeypatch):
+    """Warmup runs drafting paused with probes, and paused from the start with a prompt longer than the MTP ring's
+    span (the keep-up pass over its kept rows, ``mtp_rows``) and steps that skip the keep-up pass (bare graphs)."""
+    from dsv4.engine.mtp_rows import MtpRows
+    from dsv4.model.model import DeepseekV4
+
     monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    subsets, kept_up = [], []  # the kept rows' streams; keep-up passes run over one of them
+    rows, keep_up = MtpRows.rows, DeepseekV4.mtp_keep_up
+    monkeypatch.setattr(MtpRows, "rows", lambda self, X: subsets.append(rows(self, X)) or subsets[-1])
+    monkeypatch.setattr(DeepseekV4, "mtp_keep_up", lambda self, X, *a: kept_up.append(
+        any(X is x for x in subsets)) or keep_up(self, X, *a))
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
@@ -187,6 +197,7 @@ def test_warmup_runs_the_paused_path(monkeypatch):
     assert any(n.startswith("MTP with drafting paused far from a probe") for n in llm.warmup_paths)
     eng = llm.engine
     assert eng.runner.keep_graphs.num_replays > 0 and eng.runner.keep_graphs.num_bare_steps > 0
+    assert any(kept_up)  # a paused prompt's kept rows kept up
     assert isinstance(eng.pause, DraftPause) and eng.pause.below == 0.3 and not eng.pause.paused
     assert not eng.requests and eng.cache.num_free_slots == eng.cache.num_slots
 
