@@ -40,8 +40,8 @@ def kernel_diff(kernels: dict, top: int) -> str:
         delta = sorted(names, key=lambda x: -abs(ms.get(x, 0) - ms0.get(x, 0)))
         body = [[_short(x), f"{ms0.get(x, 0):.4f}", f"{ms.get(x, 0):.4f}", f"{ms.get(x, 0) - ms0.get(x, 0):+.4f}",
                  f"{n0.get(x, 0):.1f}", f"{n.get(x, 0):.1f}"] for x in delta[:top]]
-        body.append(["all kernels", f"{sum(ms0.values()):.4f}", f"{sum(ms.values()):.4f}",
-                     f"{sum(ms.values()) - sum(ms0.values()):+.4f}", f"{sum(n0.values()):.1f}", f"{sum(n.values()):.1f}"])
+        t0, t, m0, m = sum(ms0.values()), sum(ms.values()), sum(n0.values()), sum(n.values())
+        body.append(["all kernels", f"{t0:.4f}", f"{t:.4f}", f"{t - t0:+.4f}", f"{m0:.1f}", f"{m:.1f}"])
         out.append(f"c = {c}, k = {k} against off (ms and launches per step):\n\n" + table(
             ["kernel", "off ms", f"k={k} ms", "delta", "off launches", f"k={k} launches"], body))
     return "\n\n".join(out)

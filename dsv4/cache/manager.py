@@ -261,8 +261,8 @@ class KVCacheManager:
         span (``swa_cap`` positions before its committed length) was left stale by a step without the keep-up
         pass. A request admitted since (a new one, a preempted one back) starts current."""
         cap = self.layout.swa_cap
-        return all(self._get(r, "mtp_current").mtp_stale_to <= max(0, self._reqs[r].num_computed - cap)
-                   for r in req_ids)
+        reqs = (self._get(r, "mtp_current") for r in req_ids)
+        return all(q.mtp_stale_to <= max(0, q.num_computed - cap) for q in reqs)
 
     def check_plan(self, plan: StepPlan) -> None:
         """Raise StalePlanError unless ``plan`` is this manager's active plan."""

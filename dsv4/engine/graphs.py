@@ -397,16 +397,14 @@ class GraphRunner:
         bk.ids.copy_(ids)
         self.num_replays += 1
         self.num_whole_steps += 1
-        if self.keep_up and not plan.mtp_keep_up:  # (a paused step far from the next probe)
-            self.num_bare_steps += 1
-            out = self._run(bk, "bare", lambda: self._bare(bk))
-            if out is not None:
-                bk.bare_out = out
-            return replace(bk.bare_out, host=HostCopy(bk.bare_out.packed))
-        out = self._run(bk, "step", lambda: self._step(bk))
+        bare = self.keep_up and not plan.mtp_keep_up  # (a paused step far from the next probe)
+        self.num_bare_steps += bare
+        name, fn = ("bare", self._bare) if bare else ("step", self._step)
+        out = self._run(bk, name, lambda: fn(bk))
         if out is not None:
-            bk.step_out = out
-        return replace(bk.step_out, host=HostCopy(bk.step_out.packed))
+            setattr(bk, f"{name}_out", out)
+        out = getattr(bk, f"{name}_out")
+        return replace(out, host=HostCopy(out.packed))
 
     @torch.no_grad()
     def mtp(self, plan, next_ids: torch.Tensor):

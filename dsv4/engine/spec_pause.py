@@ -99,4 +99,5 @@ class DraftPause:
 
     def as_dict(self) -> dict:
         return {"paused": self.paused, "below": self.below, "num_pauses": self.num_pauses,
-                "num_resumes": self.num_resumes, "num_paused_steps": self.num_paused_steps, "probe_interval": self.probe_interval}
+                "num_resumes": self.num_resumes, "num_paused_steps": self.num_paused_steps,
+                "probe_interval": self.probe_interval}
