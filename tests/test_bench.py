@@ -189,6 +189,8 @@ def test_seed_bisect_matrix(env, capsys, mtp, attention_dp):
         assert len([s for s in steps if s["num_seqs"]]) == rep["requests"]["num_engine_steps"] > 0
         assert all(s["step_time_ms"] > 0 and (s["num_seqs"] >= 1 or s["num_emitted"] > 0) for s in steps)
         assert sum(s["num_emitted"] for s in steps) >= rep["requests"]["total_output_tokens"]
+        # every request's prompt is a context row of some step (counted before the step, not after)
+        assert sum(s["num_context"] for s in steps) >= rep["requests"]["num_completed"]
 
 
 def test_seed_attention_dp_on_two_ranks(env, capsys):

@@ -142,6 +142,8 @@ class LLMEngine:
                               "num_generation": 0, "num_emitted": sum(len(e) for e in done[1]),
                               "num_free_blocks": self.cache.num_free_blocks}
             return early + self._settle(*done)
+        # (for the iteration log: counted before the step moves its requests on)
+        num_context = sum(1 for s in seqs if not s.request.in_decode or not s.sample)
         mtp = self.draft_len > 0
         drafting, keep_up = self._drafting_and_keep_up(seqs) if mtp else (False, True)
         plan = self.cache.begin_step(
@@ -187,8 +189,7 @@ class LLMEngine:
         outs = early + self._settle(*done) + self._settle(seqs, emitted)
         self.last_step = {"step": self.num_steps, "num_seqs": len(seqs),
                           "num_tokens": sum(s.num_new for s in seqs),
-                          "num_context": sum(1 for s in seqs if not s.request.in_decode or not s.sample),
-                          "num_generation": sum(1 for s in seqs if s.sample and s.request.num_computed > 0),
+                          "num_context": num_context, "num_generation": len(seqs) - num_context,
                           "num_emitted": sum(len(e) for e in done[1]) + sum(len(e) for e in emitted),
                           "num_free_blocks": self.cache.num_free_blocks}
         return outs
