@@ -180,7 +180,9 @@ def test_paused_steps_are_decode_steps_of_one_row():
 
 def test_warmup_runs_the_paused_path(monkeypatch):
     """Warmup runs drafting paused with probes, and paused from the start with a prompt longer than the MTP ring's
-    span (the keep-up pass over its kept rows, ``mtp_rows``) and steps that skip the keep-up pass (bare graphs)."""
+    span (the keep-up pass over its kept rows, ``mtp_rows``) and steps that skip the keep-up pass (bare graphs),
+    and paused far from a probe from the first step (prompt rows without the keep-up pass)."""
+    from dsv4.cache.manager import KVCacheManager
     from dsv4.engine.mtp_rows import MtpRows
     from dsv4.model.model import DeepseekV4
 
@@ -190,6 +192,11 @@ def test_warmup_runs_the_paused_path(monkeypatch):
     monkeypatch.setattr(MtpRows, "rows", lambda self, X: subsets.append(rows(self, X)) or subsets[-1])
     monkeypatch.setattr(DeepseekV4, "mtp_keep_up", lambda self, X, *a: kept_up.append(
         any(X is x for x in subsets)) or keep_up(self, X, *a))
+    prompt_steps = []  # (a step with prompt rows: whether it kept the MTP ring up)
+    begin = KVCacheManager.begin_step
+    monkeypatch.setattr(KVCacheManager, "begin_step", lambda self, seqs, **kw: (
+        prompt_steps.append(kw.get("mtp_keep_up", True)) if max(s.num_new for s in seqs) > 1 else None)
+        or begin(self, seqs, **kw))
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
@@ -198,6 +205,7 @@ def test_warmup_runs_the_paused_path(monkeypatch):
     eng = llm.engine
     assert eng.runner.keep_graphs.num_replays > 0 and eng.runner.keep_graphs.num_bare_steps > 0
     assert any(kept_up)  # a paused prompt's kept rows kept up
+    assert not all(prompt_steps)  # and prompt rows left stale far from a probe
     assert isinstance(eng.pause, DraftPause) and eng.pause.below == 0.3 and not eng.pause.paused
     assert not eng.requests and eng.cache.num_free_slots == eng.cache.num_slots
 
@@ -323,8 +331,8 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
     """A paused step more than the ring's span (swa_cap steps) before the next probe skips the MTP layer's
     keep-up pass (eagerly, on the separate graphs, on the keep-up runner's bare whole-step graph). Against a run that keeps up at
     every paused step: the same tokens, steps and (read back on the host) drafts at every step, and
-    after every step the same ring rows wherever the cache calls them current (``mtp_stale_to``). A step with
-    prompt rows keeps up (the fourth request arrives while drafting is paused)."""
+    after every step the same ring rows wherever the cache calls them current (``mtp_stale_to``). Prompt rows
+    are no exception (the fourth request arrives while drafting is paused)."""
     if graphs:
         monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
     prompts, lengths = _workload(4, 19)
@@ -361,9 +369,9 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
             trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
                           + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))
         assert eng.pause.num_paused_steps > 2 * S
-        if skip:  # a step with prompt rows keeps up, also far from a probe
+        if skip:  # a step with prompt rows far from a probe skips the keep-up pass too
             assert any(far and prompt for _, prompt, far in plans)
-            assert all(keep for keep, prompt, _ in plans if prompt)
+            assert not any(keep for keep, prompt, far in plans if far and prompt)
         skipped.append((len(calls), eng.runner.keep_graphs.num_bare_steps if graphs else None))
         runs.append(trace)
     (calls_skip, bare), (calls_all, bare_all) = skipped

@@ -216,15 +216,15 @@ class LLMEngine:
     def _drafting_and_keep_up(self, seqs: list[ScheduledSeq]) -> tuple[bool, bool]:
         """Whether this MTP step's requests propose drafts for the next (``_drafts_now``; held back while a
         request's MTP ring holds rows a paused step left stale), and whether the step keeps the MTP layer's ring
-        current (``DraftPause.keeps_up``; always where it drafts or has prompt rows, so that a prompt arriving
-        while drafting is paused is current whenever drafting resumes)."""
+        current (``DraftPause.keeps_up``; always where it drafts). A paused step far from the next probe leaves
+        a prompt's rows stale too: the ring's span of keep-up steps before the probe moves them out of the
+        window, as it does a decode row's."""
         drafting = self._drafts_now(seqs)
         if self.pause is None:
             return drafting, True
         if drafting and not self.cache.mtp_current([s.request.request_id for s in seqs]):
             drafting = False
-        return drafting, (drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
-                          or any(s.num_new > 1 or not s.sample for s in seqs))
+        return drafting, drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
 
     def _drafts_now(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether this MTP step's requests draft (``DraftPause``: not while drafting does not pay; a step that

@@ -385,6 +385,8 @@ class ModelRunner:
         ``pick(j, logits_fn)`` returns the draft tokens of the active rows (``logits_fn()`` gives their MTP
         logits [A, V]), a device tensor (kept there) or host ints; they are the inputs of pass j+1.
         ``graphed``: the plan's CUDA graphs (the target pass of the same step replayed them too)."""
+        if not any_active and not plan.mtp_keep_up:
+            return  # a paused step far from the next probe (prompt rows too): the MTP layer's rows left stale
         model = self.model
         next_ids = self._padded(inp.next_ids, plan.shape.tokens)
         graphs = self._graphs_of(plan) if graphed else None
@@ -394,10 +396,7 @@ class ModelRunner:
         else:
             backend = None if graphed else self._backend(plan)
         if not any_active and (graphs.keep_up if graphs is not None else self.pauses_drafting):
-            # nothing drafts: only the MTP layer's window rows (not on several ranks: every rank runs one pass),
-            # or nothing where the step leaves them (a paused step far from the next probe)
-            if not plan.mtp_keep_up:
-                return
+            # nothing drafts: only the MTP layer's window rows (not on several ranks: every rank runs one pass)
             if graphs is not None:
                 graphs.keep(plan, next_ids)
             else:

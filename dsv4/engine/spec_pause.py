@@ -44,6 +44,14 @@ class DraftPause:
         self.probe_interval = self.probe_every  # paused steps before the next probe (doubled by each failed one)
         self.num_pauses = self.num_resumes = self.num_paused_steps = 0
 
+    def pause_now(self, since_probe: int = 0) -> None:
+        """Paused from this step on, ``since_probe`` paused steps past the last probe (warmup's paths: a pause
+        that starts far from a probe)."""
+        if not 0 <= since_probe < self.probe_interval:
+            raise ValueError(f"since_probe {since_probe}: in [0, probe_interval={self.probe_interval})")
+        self.paused, self._since_probe = True, since_probe
+        self._clear()
+
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verify read back: ``num_accepted`` of its ``num_drafts`` drafts accepted."""
         if num_drafts <= 0:

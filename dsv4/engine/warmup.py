@@ -15,17 +15,18 @@ class WarmupError(RuntimeError):
     """A warmup path failed; the message names the path and the cause."""
 
 
-def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, bool] | None]]:
+def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int | None] | None]]:
     """(name, prompt lengths, max_tokens, with a sampled request, the pause: None for the engine's own, else the
-    probe interval of one that pauses at the first rejected draft, and whether it is paused from the start) of
-    each path: a context chunk of
+    probe interval of one that pauses at the first rejected draft, and None or, paused from the start, its paused
+    steps since the last probe) of each path: a context chunk of
     max_num_tokens, one request's prefill for each prefill graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
     ``run_warmup``), and where the engine may pause drafting, the same batch with drafting paused (steps of one
     row with the MTP layer's keep-up pass, probes, and the steps into and out of a pause), then paused from the
-    start with no probe in sight (a prompt longer than the MTP ring's span: the keep-up pass over its kept rows,
-    ``engine/mtp_rows.py``; then steps without the keep-up pass, ``DraftPause.keeps_up``)."""
+    start with no probe in sight: just after a probe (a prompt longer than the MTP ring's span: the keep-up pass
+    over its kept rows, ``engine/mtp_rows.py``; then steps without the keep-up pass, ``DraftPause.keeps_up``),
+    and far from one from the first step (prompts without the keep-up pass)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
     # under attention data parallelism every rank has its own batch limits: warm them all up at once
@@ -49,11 +50,14 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, boo
             steps = 8 + 2 * (engine.draft_len + 1)
             prompt = max(1, min(4, L - steps))
             paths.append((f"MTP with drafting paused (keep-up passes and probes, batch {batch})", [prompt] * batch,
-                          min(steps, L - prompt), False, (3, False)))
+                          min(steps, L - prompt), False, (3, None)))
             long = max(prompt, min(engine.cache.layout.swa_cap + 8, L - steps))
             paths.append((f"MTP with drafting paused far from a probe (a prompt's kept rows, then no keep-up pass,"
                           f" batch {batch})", [long] + [prompt] * (batch - 1), min(steps, L - long), False,
-                          (10 ** 9, True)))
+                          (10 ** 9, 0)))
+            paths.append((f"MTP with drafting paused far from a probe from the first step (prompts without the"
+                          f" keep-up pass, batch {batch})", [long] + [prompt] * (batch - 1), min(4, L - long),
+                          False, (10 ** 9, 3)))
     return paths
 
 
@@ -67,7 +71,8 @@ def run_warmup(engine) -> list[str]:
         policy = engine.pause
         if pause is not None:  # paused after the first rejected draft, or from the start
             engine.pause = DraftPause(1.0, window=1, probe_every=pause[0])
-            engine.pause.paused = pause[1]
+            if pause[1] is not None:
+                engine.pause.pause_now(since_probe=pause[1])
         try:
             params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in prompt_lens]
             if with_sampled:
