@@ -222,8 +222,9 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda(dtype, monkeypa
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_paused_steps_far_from_a_probe_leave_the_mtp_ring_on_cuda(dtype, monkeypatch):
     """CUDA graphs captured: paused steps more than the ring's span before the next probe replay the keep-up
-    runner's bare whole-step graph (no keep-up pass), against a run that keeps up at every paused step: the same
-    tokens and steps, and every ring row the cache calls current bit for bit after every step."""
+    runner's bare whole-step graph (no keep-up pass; a prompt arriving then, none either), against a run that
+    keeps up at every paused step: the same tokens and steps, and every ring row the cache calls current bit for
+    bit after every step."""
     from dsv4 import SamplingParams
     from dsv4.engine.spec_pause import DraftPause
 
@@ -243,6 +244,8 @@ def test_paused_steps_far_from_a_probe_leave_the_mtp_ring_on_cuda(dtype, monkeyp
         rids = [eng.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in prompts]
         trace = []
         while eng.has_unfinished_requests():
+            if len(trace) == 12:  # far from the next probe
+                rids.append(eng.add_request(prompts[2][::-1], SamplingParams(max_tokens=60, ignore_eos=True)))
             eng.step()
             trace.append(([tuple(eng.requests[r].output_ids) for r in rids]
                           + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))
