@@ -1,0 +1,123 @@
+"""Where the seed's command's first steps wait: the first engine steps of a timed run (after dsv4-bench's two
+warmup requests, run through the same loop), MTP off against the seed's MTP, under torch.profiler. For each step:
+the host's time in ``engine.step()``, the GPU's busy time inside that call, and every host call that blocked
+for more than ``--min-ms`` (synchronisations, blocking copies, allocations) and every GPU idle gap that long,
+with its time from the run's start: where TTFT goes before the first tokens come back.
+
+    python3 first_steps_gpu.py --runs off mtp off mtp [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from dsv4 import LLM, SamplingParams
+from dsv4.bench.options import load_yaml
+from dsv4.bench.runner import _drive
+from dsv4.bench.dataset import DatasetRequest
+from dsv4.config import get_preset
+
+SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
+BLOCKING = ("Synchronize", "cudaMemcpy", "cudaHostAlloc", "cudaMalloc", "cudaFree", "cudaHostRegister")
+
+
+def busy(intervals):
+    """Merged [start, end) intervals."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int, min_ms: float, device: str):
+    settings = load_yaml(str(SEED_CONFIG))
+    if label == "off":
+        settings.pop("speculative_config", None)
+    L = max(len(p) for p in prompts)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    llm = LLM(preset, device=device, dtype="bf16" if cuda else "fp32", max_batch_size=64, max_num_tokens=8192, max_seq_len=L + gen + 8,
+              **settings)
+    eng = llm.engine
+    reqs = [DatasetRequest(task_id=i, output_tokens=gen, line=i + 1, input_ids=p) for i, p in enumerate(prompts)]
+    _drive(eng, reqs[:2], None, concurrency, prefix="__warm_")  # dsv4-bench's --warmup 2
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True, detokenize=False)
+    pause = eng.pause.as_dict() if eng.pause is not None else None
+    sync()
+    trace = os.path.join(tempfile.mkdtemp(), "trace.json")
+    calls = []
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        with record_function("run"):
+            for p in prompts[:concurrency]:
+                eng.add_request(p, sp)
+            for i in range(steps):
+                with record_function(f"step{i + 1}"):
+                    t0 = time.perf_counter()
+                    outs = eng.step()
+                    calls.append(((time.perf_counter() - t0) * 1e3, dict(eng.last_step),
+                                  sum(len(o.outputs[0].token_ids) > 0 for o in outs)))
+        sync()
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    del llm, eng, prof
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    t0 = min(e["ts"] for e in ev if e["name"] == "run")
+    ranges = sorted((e["ts"] - t0, e["ts"] + e["dur"] - t0, e["name"]) for e in ev
+                    if e.get("cat") == "user_annotation" and e["name"].startswith("step"))
+    gpu = busy([(e["ts"] - t0, e["ts"] + e["dur"] - t0) for e in ev
+                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+    blocking = sorted((e["ts"] - t0, e["dur"], e["name"]) for e in ev
+                      if e.get("cat") == "cuda_runtime" and any(b in e["name"] for b in BLOCKING)
+                      and e["dur"] >= min_ms * 1e3)
+    print(f"\n### {label} (pause at the start: {pause})\n")
+    print("| step | host ms | rows (seqs/tokens/context) | requests with tokens read | GPU busy ms in the call |"
+          " from ms | to ms |")
+    print("|---|---|---|---|---|---|---|")
+    for (s, e, name), (ms, last, n_out) in zip(ranges, calls):
+        b = sum(max(0.0, min(e, be) - max(s, bs)) for bs, be in gpu)
+        print(f"| {name} | {ms:.1f} | {last.get('num_seqs')}/{last.get('num_tokens')}/{last.get('num_context')} |"
+              f" {n_out} | {b / 1e3:.1f} | {s / 1e3:.1f} | {e / 1e3:.1f} |")
+    end = ranges[-1][1] if ranges else 0
+    gaps = [(a[1], b[0]) for a, b in zip(gpu, gpu[1:]) if b[0] - a[1] >= min_ms * 1e3 and a[1] < end]
+    print(f"\nGPU idle gaps >= {min_ms} ms (from, length ms): "
+          + ", ".join(f"{s / 1e3:.1f} +{(e - s) / 1e3:.1f}" for s, e in gaps[:20]))
+    print(f"Host calls that blocked >= {min_ms} ms (at ms, ms, call): "
+          + ", ".join(f"{s / 1e3:.1f} {d / 1e3:.1f} {n}" for s, d, n in blocking[:30] if s < end))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp"))
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--input", type=int, default=1024)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--min-ms", type=float, default=0.5)
+    ap.add_argument("--preset", default="flash-L4-E32")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    vocab = get_preset(args.preset).vocab_size
+    prompts = [[rng.randrange(2, vocab) for _ in range(args.input)] for _ in range(args.concurrency)]
+    for label in args.runs:
+        run(label, prompts, args.gen, args.concurrency, args.preset, args.steps, args.min_ms, args.device)
+
+
+if __name__ == "__main__":
+    main()
