@@ -5,6 +5,9 @@ for more than ``--min-ms`` (synchronisations, blocking copies, allocations, modu
 with its time from the run's start: where TTFT goes before the first tokens come back.
 
     python3 first_steps_gpu.py --runs off mtp off mtp [--steps 6]
+
+``mtp-all-rows``: the MTP pass over every prompt row instead of each request's kept rows
+(``ModelRunner.mtp_tail_rows`` off), whose GEMMs have the target pass's row counts.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dsv4.bench.options import load_yaml
 from dsv4.bench.runner import _drive
 from dsv4.bench.dataset import DatasetRequest
 from dsv4.config import get_preset
+from dsv4.engine.runner import ModelRunner
 
 SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
 
@@ -42,6 +46,7 @@ def busy(intervals):
 
 
 def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int, min_ms: float, device: str):
+    ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
     settings = load_yaml(str(SEED_CONFIG))
     if label == "off":
         settings.pop("speculative_config", None)
@@ -103,7 +108,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp"))
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows"))
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=128)

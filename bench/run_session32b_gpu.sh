@@ -21,4 +21,4 @@ seed_run mtp2 examples/mtp.yml "" 100 --iteration_log "$OUT/it_mtp2.jsonl"
 seed_run old2 examples/mtp.yml "$OLD" 100 --iteration_log "$OUT/it_old2.jsonl"
 python3 bench/iteration_steps.py off1="$OUT/it_off1.jsonl" mtp1="$OUT/it_mtp1.jsonl" old1="$OUT/it_old1.jsonl" \
   off2="$OUT/it_off2.jsonl" mtp2="$OUT/it_mtp2.jsonl" old2="$OUT/it_old2.jsonl" --first 14
-cd bench && timeout 200 python3 first_steps_gpu.py --runs off mtp off mtp --steps 6 2>&1 | grep -v "Warn\|USDT\|TRTLLM"
+cd bench && timeout 200 python3 first_steps_gpu.py --runs off mtp mtp-all-rows off mtp --steps 5 2>&1 | grep -v "Warn\|USDT\|TRTLLM"
