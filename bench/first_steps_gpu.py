@@ -7,7 +7,8 @@ with its time from the run's start: where TTFT goes before the first tokens come
     python3 first_steps_gpu.py --runs off mtp off mtp [--steps 6]
 
 ``mtp-all-rows``: the MTP pass over every prompt row instead of each request's kept rows
-(``ModelRunner.mtp_tail_rows`` off), whose GEMMs have the target pass's row counts.
+(``ModelRunner.mtp_tail_rows`` off), whose GEMMs have the target pass's row counts; ``mtp-unpadded``: the kept
+rows not padded to the row counts warmup runs (``ModelRunner.mtp_rows_padded`` off).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def busy(intervals):
 
 def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int, min_ms: float, device: str):
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
+    ModelRunner.mtp_rows_padded = label != "mtp-unpadded"
     settings = load_yaml(str(SEED_CONFIG))
     if label == "off":
         settings.pop("speculative_config", None)
@@ -108,7 +110,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows"))
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded"))
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=128)

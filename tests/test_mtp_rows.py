@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.mtp_rows import host_keep, one_request_keep
+from dsv4.engine import mtp_rows
+from dsv4.engine.mtp_rows import host_keep, one_request_keep, padded, row_counts
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.spec_pause import DraftPause
 
@@ -24,6 +25,38 @@ def test_the_kept_rows_are_each_requests_last_swa_cap():
     assert host_keep([6, 1, 5], 4) == [2, 3, 4, 5, 6, 8, 9, 10, 11]
     assert one_request_keep(torch.tensor([6, 0]), 4).tolist() == [2, 3, 4, 5]
     assert one_request_keep(torch.tensor([2, 0]), 4).tolist() == [0, 1, -1, -1]  # short chunk: inert rows
+
+
+def test_kept_rows_are_padded_to_the_row_counts_warmup_runs(monkeypatch):
+    """A kept-rows pass runs at a power of two from 64 rows (inert rows after the kept ones); warmup runs the keep-up
+    and the whole MTP pass once at each of them, over inert rows as wide as a step's window tables."""
+    assert padded([4, 5, 6]) == [4, 5, 6] + [-1] * 61
+    assert len(padded(list(range(65)))) == 128 and len(padded(list(range(128)))) == 128
+    assert row_counts(48) == [64] and row_counts(200) == [64, 128, 256] and row_counts(256) == [64, 128, 256]
+    widths = []
+    real = mtp_rows.select
+    monkeypatch.setattr("dsv4.engine.runner.select", lambda t, keep, base: widths.append(t.swa_read.shape[1]) or
+                        real(t, keep, base))
+    seen = []
+    inert = mtp_rows.inert
+    monkeypatch.setattr("dsv4.engine.runner.inert", lambda M, W, dev: seen.append((M, W)) or inert(M, W, dev))
+    llm = LLM("tiny", max_batch_size=16, max_num_tokens=200, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
+              speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+    # (at most 16 requests x swa_cap = 10 kept rows a step)
+    assert "MTP passes over kept rows, 64 to 256 rows" in llm.warmup_paths
+    assert [M for M, _ in seen] == [64, 128, 256]
+    assert widths and {W for _, W in seen} == set(widths)  # (the warmup's requests' kept-rows passes)
+    calls = []
+    eng = llm.engine
+    keep_up = eng.model.mtp_keep_up
+    eng.model.mtp_keep_up = lambda X, *a: calls.append(X.shape[0]) or keep_up(X, *a)
+    eng.pause = DraftPause(1.0, window=1, probe_every=3)
+    eng.pause.pause_now()
+    rng = random.Random(1)
+    out = llm.generate([[rng.randrange(2, 256) for _ in range(n)] for n in (90, 30)],
+                       SamplingParams(max_tokens=3, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+    assert calls and calls[0] == 64  # (one prompt step: each prompt's last swa_cap rows, padded)
 
 
 def _run(tail: bool, invariant: bool, graphs: bool, pause: bool, monkeypatch):

@@ -59,6 +59,33 @@ def host_keep(num_new: Sequence[int], cap: int) -> list[int] | None:
     return keep
 
 
+MIN_ROWS = 64  # the smallest row count a kept-rows pass runs at (``padded``)
+
+
+def padded(keep: list[int]) -> list[int]:
+    """``keep`` padded with inert rows (-1) to the next power of two from ``MIN_ROWS``: a kept-rows pass then
+    runs at one of a few row counts, which warmup runs each once (``row_counts``, ``inert``), so that no GEMM of
+    it meets a new problem size while serving (a library's first kernel for a size costs a module load)."""
+    M = max(MIN_ROWS, 1 << (len(keep) - 1).bit_length())
+    return keep + [-1] * (M - len(keep))
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Every row count ``padded`` gives for up to ``max_rows`` kept rows."""
+    out = [MIN_ROWS]
+    while out[-1] < max_rows:
+        out.append(2 * out[-1])
+    return out
+
+
+def inert(M: int, W: int, device) -> MtpRows:
+    """A subset of ``M`` inert rows (read nothing, write the null row): warmup's pass at a row count."""
+    z = torch.zeros(M, dtype=_I64, device=device)
+    return MtpRows(keep=z, live=torch.zeros(M, dtype=torch.bool, device=device), inv=z[:0], positions=z,
+                   swa_read=torch.zeros(M, W, dtype=_I64, device=device),
+                   swa_valid=torch.zeros(M, W, dtype=torch.bool, device=device), swa_write=z)
+
+
 def one_request_keep(num_new: torch.Tensor, cap: int) -> torch.Tensor:
     """``host_keep`` on the device, for a step of one request padded to more than ``cap`` tokens (a prefill graph
     bucket): ``cap`` entries, the request's last ``cap`` rows, or all its n < cap rows then -1 (inert)."""

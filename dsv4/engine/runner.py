@@ -21,7 +21,7 @@ from ..model.rows import ROWS, fixed_rows
 from ..transfer import HostCopy, to_device
 from .backend import CachedBackend
 from .cuda_backend import CudaBackend, PrefillCudaBackend
-from .mtp_rows import MtpRows, host_keep, select
+from .mtp_rows import MtpRows, host_keep, inert, padded, row_counts, select
 from .request import PENDING
 from .scheduler import ScheduledSeq
 from .spec import DeviceVerdict
@@ -220,6 +220,10 @@ class ModelRunner:
     # the MTP catch-up pass over the rows its window keeps only, the last swa_cap of each request (mtp_rows.py;
     # on several ranks without attention-DP lanes only, see DistributedRunner); False: over every row of the step
     mtp_tail_rows = True
+    # those rows padded with inert ones to a power of two (mtp_rows.padded), each of which warmup runs once
+    # (warm_mtp_rows; the multi-rank driver's ranks do not: ``warms_mtp_rows``)
+    mtp_rows_padded = True
+    warms_mtp_rows = True
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
                  batch_invariant: bool = False):
@@ -283,12 +287,36 @@ class ModelRunner:
         if not (self.mtp_tail_rows and self.model.mtp_window_only):
             return None
         keep = host_keep(plan.num_new, self.storage.layout.swa_cap)
-        return None if keep is None else select(plan, keep, plan.swa_step_base)
+        if keep is None:
+            return None
+        return select(plan, padded(keep) if self.mtp_rows_padded else keep, plan.swa_step_base)
+
+    @torch.no_grad()
+    def warm_mtp_rows(self, max_rows: int) -> list[int]:
+        """Run the kept-rows passes (the keep-up pass, the whole MTP pass) once over inert rows at every row count
+        ``padded`` gives for up to ``max_rows`` kept rows (warmup); returns the row counts (none without them)."""
+        if not (self.mtp_rows_padded and self.mtp_tail_rows and self.model.mtp_window_only):
+            return []
+        model, st = self.model, self.storage
+        n, d = model.cfg.hc_mult, model.cfg.hidden_size
+        counts = row_counts(max_rows)
+        with self.pass_context():
+            for M in counts:
+                sub = inert(M, st.layout.window, self.device)
+                X = torch.zeros(M, n, d, dtype=model.embed.weight.dtype, device=self.device)
+                ids = torch.zeros(M, dtype=torch.long, device=self.device)
+                base = st.layout.step_base(st.layout.swa_cap, st.num_slots)
+                model.mtp_keep_up(X, ids, self._rows_backend_at(sub, base))
+                model.mtp_streams(X, ids, self._rows_backend_at(sub, base))
+        return counts
 
     def _rows_backend(self, plan, sub: MtpRows):
         """The backend of a pass over ``sub``'s rows (up to swa_cap a request: the prefill path on the kernels)."""
+        return self._rows_backend_at(sub, plan.swa_step_base)
+
+    def _rows_backend_at(self, sub: MtpRows, swa_step_base: int):
         if self.use_kernels:
-            return PrefillCudaBackend.for_draft(sub, self.storage, plan.swa_step_base)
+            return PrefillCudaBackend.for_draft(sub, self.storage, swa_step_base)
         return CachedBackend.for_draft(sub, self.storage)
 
     def _draft_backend(self, plan, tables):

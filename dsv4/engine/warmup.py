@@ -65,6 +65,7 @@ def run_warmup(engine) -> list[str]:
     """Run every path; the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
     both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
     request (the separate graphs, keyed draws verified on the device)."""
+    cfg = engine.cfg
     done = []
     for name, prompt_lens, max_tokens, with_sampled, pause in warmup_paths(engine):
         ids = []
@@ -95,6 +96,18 @@ def run_warmup(engine) -> list[str]:
             engine.requests.pop(rid, None)
         done.append(name)
         log.info("warmup: %s ok", name)
+    runner = engine.runner
+    if engine.draft_len and runner.warms_mtp_rows:  # the kept-rows MTP passes at every row count they pad to
+        cap = engine.cache.layout.swa_cap
+        max_rows = min(cfg.max_num_tokens, cfg.max_batch_size * engine.num_lanes * cap)
+        try:
+            counts = runner.warm_mtp_rows(max_rows)
+        except Exception as e:
+            raise WarmupError(f"warmup path 'MTP passes over kept rows' failed: {type(e).__name__}: {e}") from e
+        if counts:
+            done.append(f"MTP passes over kept rows, {counts[0]} to {counts[-1]} rows" if len(counts) > 1
+                        else f"MTP passes over kept rows, {counts[0]} rows")
+            log.info("warmup: %s ok", done[-1])
     if engine.cache.num_free_slots != engine.cache.num_slots:
         raise WarmupError("warmup left cache slots allocated; the cache leaks")
     engine.reset_stats()  # what users see starts after warmup

@@ -200,6 +200,7 @@ class DistributedRunner(LaneRunner):
         # the MTP pass over each request's kept rows on every rank alike (tensor parallel: one plan), not with
         # attention-DP lanes (their MoE gathers the lanes' rows in equal shares)
         self.mtp_tail_rows = not self.dp
+        self.warms_mtp_rows = False  # (a pass on the driver alone would wait for the ranks' collectives)
         self.lane_of: dict = {}  # attention DP: request id -> lane (the engine's scheduler fills it)
         self._step = 0
         self._graphed_step = False  # the last ForwardMsg's graph decision (its propose follows it)
