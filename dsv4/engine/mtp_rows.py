@@ -13,7 +13,9 @@ such keys: their windows reach back past the kept rows), and ``inv`` maps a step
 subset row. Inert subset rows (``live`` False: a one-request graph bucket padded past a short chunk) read
 nothing and write the null row, as padded rows of a plan do. The subset's GEMMs have other row counts than the
 whole step's, so their rows round differently (not under ``EngineConfig.batch_invariant``); the MTP layer's
-rows feed only drafts, which never change the output tokens.
+rows feed only drafts, which never change the output tokens. The kept rows are padded with inert rows to a
+power of two (``padded``), whose passes warmup runs once each: a GEMM library's first kernel for a new problem
+size loads its module, which would otherwise happen while serving.
 """
 
 from __future__ import annotations
