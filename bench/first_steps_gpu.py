@@ -8,7 +8,9 @@ with its time from the run's start: where TTFT goes before the first tokens come
 
 ``mtp-all-rows``: the MTP pass over every prompt row instead of each request's kept rows
 (``ModelRunner.mtp_tail_rows`` off), whose GEMMs have the target pass's row counts; ``mtp-unpadded``: the kept
-rows not padded to the row counts warmup runs (``ModelRunner.mtp_rows_padded`` off).
+rows not padded to the row counts warmup runs (``ModelRunner.mtp_rows_padded`` off); ``mtp-far``: drafting paused
+far from the next probe when the timed requests arrive (their prompt steps skip the keep-up pass);
+``mtp-drafting``: the pause reset before them (drafting: the whole MTP pass over the kept rows, then drafts).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     eng = llm.engine
     reqs = [DatasetRequest(task_id=i, output_tokens=gen, line=i + 1, input_ids=p) for i, p in enumerate(prompts)]
     _drive(eng, reqs[:2], None, concurrency, prefix="__warm_")  # dsv4-bench's --warmup 2
+    if label == "mtp-far" and eng.pause is not None:
+        eng.pause.probe_interval = eng.pause.max_probe_every = 10 ** 6
+        eng.pause.pause_now(since_probe=3)
+    elif label == "mtp-drafting" and eng.pause is not None:
+        eng.pause.reset()
     sp = SamplingParams(max_tokens=gen, ignore_eos=True, detokenize=False)
     pause = eng.pause.as_dict() if eng.pause is not None else None
     sync()
@@ -110,7 +117,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded"))
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded", "mtp-far", "mtp-drafting"))
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=128)
