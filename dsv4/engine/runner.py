@@ -221,9 +221,8 @@ class ModelRunner:
     # on several ranks without attention-DP lanes only, see DistributedRunner); False: over every row of the step
     mtp_tail_rows = True
     # those rows padded with inert ones to a power of two (mtp_rows.padded), each of which warmup runs once
-    # (warm_mtp_rows; the multi-rank driver's ranks do not: ``warms_mtp_rows``)
+    # (warm_mtp_rows; on every rank of a multi-rank run alike)
     mtp_rows_padded = True
-    warms_mtp_rows = True
 
     def __init__(self, model: DeepseekV4, storage: CacheStorage, device, attention_backend: str = "auto",
                  batch_invariant: bool = False):
@@ -291,24 +290,32 @@ class ModelRunner:
             return None
         return select(plan, padded(keep) if self.mtp_rows_padded else keep, plan.swa_step_base)
 
-    @torch.no_grad()
     def warm_mtp_rows(self, max_rows: int) -> list[int]:
         """Run the kept-rows passes (the keep-up pass, the whole MTP pass) once over inert rows at every row count
         ``padded`` gives for up to ``max_rows`` kept rows (warmup); returns the row counts (none without them)."""
+        counts = self.mtp_row_counts(max_rows)
+        self.run_inert_mtp_rows(counts)
+        return counts
+
+    def mtp_row_counts(self, max_rows: int) -> list[int]:
+        """The row counts the kept-rows passes run at for up to ``max_rows`` kept rows ([]: no such passes)."""
         if not (self.mtp_rows_padded and self.mtp_tail_rows and self.model.mtp_window_only):
             return []
+        return row_counts(max_rows)
+
+    @torch.no_grad()
+    def run_inert_mtp_rows(self, counts: Sequence[int]) -> None:
+        """The keep-up pass and the whole MTP pass over ``M`` inert rows, for each ``M`` of ``counts``."""
         model, st = self.model, self.storage
         n, d = model.cfg.hc_mult, model.cfg.hidden_size
-        counts = row_counts(max_rows)
+        base = st.layout.step_base(st.layout.swa_cap, st.num_slots)
         with self.pass_context():
             for M in counts:
                 sub = inert(M, st.layout.window, self.device)
                 X = torch.zeros(M, n, d, dtype=model.embed.weight.dtype, device=self.device)
                 ids = torch.zeros(M, dtype=torch.long, device=self.device)
-                base = st.layout.step_base(st.layout.swa_cap, st.num_slots)
                 model.mtp_keep_up(X, ids, self._rows_backend_at(sub, base))
                 model.mtp_streams(X, ids, self._rows_backend_at(sub, base))
-        return counts
 
     def _rows_backend(self, plan, sub: MtpRows):
         """The backend of a pass over ``sub``'s rows (up to swa_cap a request: the prefill path on the kernels)."""

@@ -96,12 +96,11 @@ def run_warmup(engine) -> list[str]:
             engine.requests.pop(rid, None)
         done.append(name)
         log.info("warmup: %s ok", name)
-    runner = engine.runner
-    if engine.draft_len and runner.warms_mtp_rows:  # the kept-rows MTP passes at every row count they pad to
+    if engine.draft_len:  # the kept-rows MTP passes at every row count they are padded to
         cap = engine.cache.layout.swa_cap
         max_rows = min(cfg.max_num_tokens, cfg.max_batch_size * engine.num_lanes * cap)
         try:
-            counts = runner.warm_mtp_rows(max_rows)
+            counts = engine.runner.warm_mtp_rows(max_rows)
         except Exception as e:
             raise WarmupError(f"warmup path 'MTP passes over kept rows' failed: {type(e).__name__}: {e}") from e
         if counts:

@@ -20,6 +20,9 @@ order with the same shapes:
       choose drafts (the driver only)
       broadcast the draft tokens     ---->    (j < k) next draft pass with these tokens
 
+Warmup also sends ``WarmRowsMsg(counts)``: every rank runs the MTP layer's kept-rows passes over inert rows at
+those row counts (``ModelRunner.run_inert_mtp_rows``), as the driver does.
+
 Lanes: without attention DP there is one lane, the whole batch, which every rank runs (same plan, same
 tokens; each rank computes its share of heads / experts). With attention DP lane r is rank r's own
 requests and cache; every lane is padded to the same token and row counts so that the MoE all-gathers line
@@ -90,6 +93,13 @@ def pending_of(work: LaneWork, values: torch.Tensor | None):
     """``run_target``'s ``pending`` for a lane: None when all its inputs are host ids."""
     dst, src = work.pending
     return (dst, src, values) if dst else None
+
+
+@dataclass(frozen=True)
+class WarmRowsMsg:
+    """Warmup: every rank runs the MTP layer's kept-rows passes over inert rows at these row counts
+    (``ModelRunner.run_inert_mtp_rows``; their collectives line up)."""
+    counts: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,6 @@ class DistributedRunner(LaneRunner):
         # the MTP pass over each request's kept rows on every rank alike (tensor parallel: one plan), not with
         # attention-DP lanes (their MoE gathers the lanes' rows in equal shares)
         self.mtp_tail_rows = not self.dp
-        self.warms_mtp_rows = False  # (a pass on the driver alone would wait for the ranks' collectives)
         self.lane_of: dict = {}  # attention DP: request id -> lane (the engine's scheduler fills it)
         self._step = 0
         self._graphed_step = False  # the last ForwardMsg's graph decision (its propose follows it)
@@ -248,6 +257,15 @@ class DistributedRunner(LaneRunner):
 
     def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         return self._guard(self._propose, seqs, plan, target, num_accepted, drafting, draft_len, choose)
+
+    def run_inert_mtp_rows(self, counts) -> None:
+        """Announced to the other ranks first (their passes' collectives line up with the driver's)."""
+        if counts:
+            self._guard(self._inert_rows, tuple(counts))
+
+    def _inert_rows(self, counts: tuple[int, ...]) -> None:
+        self.group.send(WarmRowsMsg(counts))
+        super().run_inert_mtp_rows(counts)
 
     def _forward(self, seqs, plan, prev) -> TargetOutput:
         plans, local, lane_idx = self._lanes(seqs, plan)
@@ -399,5 +417,7 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
                 return flat[first:first + sizes[lane]]
 
             runner.run_drafts(plan, X, inp, msg.draft_len, msg.any_active, pick, graphed)
+        elif isinstance(msg, WarmRowsMsg):
+            runner.run_inert_mtp_rows(msg.counts)
         else:
             raise TypeError(f"rank {group.rank}: unknown message {type(msg).__name__}")
