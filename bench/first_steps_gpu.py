@@ -1,8 +1,8 @@
 """Where the seed's command's first steps wait: the first engine steps of a timed run (after dsv4-bench's two
 warmup requests, run through the same loop), MTP off against the seed's MTP, under torch.profiler. For each step:
 the host's time in ``engine.step()``, the GPU's busy time inside that call, and every host call that blocked
-for more than ``--min-ms`` (synchronisations, blocking copies, allocations, module loads) and every GPU idle gap that long,
-with its time from the run's start: where TTFT goes before the first tokens come back.
+for more than ``--min-ms`` (synchronisations, blocking copies, allocations, module loads), every GPU idle gap that long, with its time from the run's start, and the host events of each call with the longest
+self time (``--stack``: Python functions too): where TTFT goes before the first tokens come back.
 
     python3 first_steps_gpu.py --runs off mtp off mtp [--steps 6]
 
@@ -48,7 +48,24 @@ def busy(intervals):
     return out
 
 
-def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int, min_ms: float, device: str):
+def self_times(events) -> list[tuple[float, float, str]]:
+    """(start, self time, name) of nested host events of one thread (Python functions and torch ops): each
+    event's duration less its children's, so that a long wait or a long piece of work shows where it happens."""
+    out, stack = [], []  # stack: [end, start, name, children's time]
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        s, d = e["ts"], e["dur"]
+        while stack and stack[-1][0] <= s:
+            end, start, name, kids = stack.pop()
+            out.append((start, end - start - kids, name))
+        if stack:
+            stack[-1][3] += d
+        stack.append([s + d, s, e["name"], 0.0])
+    out += [(start, end - start - kids, name) for end, start, name, kids in stack]
+    return out
+
+
+def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int, min_ms: float, device: str,
+        stack: bool = False):
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
     ModelRunner.mtp_rows_padded = label != "mtp-unpadded"
     settings = load_yaml(str(SEED_CONFIG))
@@ -72,7 +89,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     sync()
     trace = os.path.join(tempfile.mkdtemp(), "trace.json")
     calls = []
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=stack) as prof:
         with record_function("run"):
             for p in prompts[:concurrency]:
                 eng.add_request(p, sp)
@@ -113,6 +130,15 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
           + ", ".join(f"{s / 1e3:.1f} +{(e - s) / 1e3:.1f}" for s, e in gaps[:20]))
     print(f"Host calls that blocked >= {min_ms} ms (at ms, ms, call): "
           + ", ".join(f"{s / 1e3:.1f} {d / 1e3:.1f} {n}" for s, d, n in blocking[:30] if s < end))
+    # where each call's host time went: the events of the thread that ran the steps, by self time
+    main_tid = next(e.get("tid") for e in ev if e["name"] == "step1" and e.get("cat") == "user_annotation")
+    host = [e for e in ev if e.get("tid") == main_tid and e.get("cat") in ("cpu_op", "python_function",
+                                                                           "cuda_runtime", "cuda_driver")]
+    own = self_times(host)
+    for s, e, name in ranges:
+        top = sorted(((t, n) for at, t, n in own if s <= at - t0 < e and t >= min_ms * 1e3), reverse=True)[:6]
+        print(f"- {name} host self time >= {min_ms} ms: "
+              + ("; ".join(f"{t / 1e3:.1f} {n[:90]}" for t, n in top) or "none"))
 
 
 def main():
@@ -123,6 +149,7 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--min-ms", type=float, default=0.5)
+    ap.add_argument("--stack", action="store_true", help="record Python frames (host self time by function)")
     ap.add_argument("--preset", default="flash-L4-E32")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -130,7 +157,7 @@ def main():
     vocab = get_preset(args.preset).vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(args.input)] for _ in range(args.concurrency)]
     for label in args.runs:
-        run(label, prompts, args.gen, args.concurrency, args.preset, args.steps, args.min_ms, args.device)
+        run(label, prompts, args.gen, args.concurrency, args.preset, args.steps, args.min_ms, args.device, args.stack)
 
 
 if __name__ == "__main__":
