@@ -15,8 +15,8 @@ nothing and write the null row, as padded rows of a plan do. The subset's GEMMs 
 whole step's, so their rows round differently (not under ``EngineConfig.batch_invariant``); the MTP layer's
 rows feed only drafts, which never change the output tokens. The kept rows are padded with inert rows to a
 power of two (``padded``), whose passes warmup runs once each: the first pass at a row count warmup had not run
-held the host for about 100 ms (measured on the H100: the seed's command's first prompt step, BENCHMARKS.md,
-thirty-second session).
+held the step's launch for about 100 ms (measured on the H100: the seed's command's first prompt step,
+BENCHMARKS.md, thirty-second session).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ MIN_ROWS = 64  # the smallest row count a kept-rows pass runs at (``padded``)
 def padded(keep: list[int]) -> list[int]:
     """``keep`` padded with inert rows (-1) to the next power of two from ``MIN_ROWS``: a kept-rows pass then
     runs at one of a few row counts, which warmup runs each once (``row_counts``, ``inert``), so that serving
-    never runs it first at a new row count (which cost about 100 ms of host time, see the module doc)."""
+    never runs it first at a new row count (which held a step's launch about 100 ms, see the module doc)."""
     M = max(MIN_ROWS, 1 << (len(keep) - 1).bit_length())
     return keep + [-1] * (M - len(keep))
 
