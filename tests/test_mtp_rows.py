@@ -28,11 +28,17 @@ def test_the_kept_rows_are_each_requests_last_swa_cap():
 
 
 def test_kept_rows_are_padded_to_the_row_counts_warmup_runs(monkeypatch):
-    """A kept-rows pass runs at a power of two from 64 rows (inert rows after the kept ones); warmup runs the keep-up
-    and the whole MTP pass once at each of them, over inert rows as wide as a step's window tables."""
+    """A kept-rows pass runs at a power of two from 64 rows (inert rows after the kept ones), or at the most rows a
+    step can keep where that is less; warmup runs the keep-up and the whole MTP pass once at each of those counts,
+    over inert rows as wide as a step's window tables."""
     assert padded([4, 5, 6]) == [4, 5, 6] + [-1] * 61
     assert len(padded(list(range(65)))) == 128 and len(padded(list(range(128)))) == 128
-    assert row_counts(48) == [64] and row_counts(200) == [64, 128, 256] and row_counts(256) == [64, 128, 256]
+    # never past the most rows a step can keep (then that count itself)
+    assert len(padded(list(range(129)), 200)) == 200 and len(padded([1, 2], 40)) == 40
+    assert len(padded(list(range(129)), 256)) == 256
+    assert row_counts(40) == [40] and row_counts(200) == [64, 128, 200] and row_counts(256) == [64, 128, 256]
+    for largest in (40, 64, 200, 256):  # every padded count is one warmup runs
+        assert {len(padded(list(range(n)), largest)) for n in range(1, largest + 1)} == set(row_counts(largest))
     widths = []
     real = mtp_rows.select
     monkeypatch.setattr("dsv4.engine.runner.select", lambda t, keep, base: widths.append(t.swa_read.shape[1]) or
@@ -43,8 +49,8 @@ def test_kept_rows_are_padded_to_the_row_counts_warmup_runs(monkeypatch):
     llm = LLM("tiny", max_batch_size=16, max_num_tokens=200, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
     # (at most 16 requests x swa_cap = 10 kept rows a step)
-    assert "MTP passes over kept rows, 64 to 256 rows" in llm.warmup_paths
-    assert [M for M, _ in seen] == [64, 128, 256]
+    assert "MTP passes over kept rows, 64 to 160 rows" in llm.warmup_paths
+    assert [M for M, _ in seen] == [64, 128, 160]
     assert widths and {W for _, W in seen} == set(widths)  # (the warmup's requests' kept-rows passes)
     calls = []
     eng = llm.engine

@@ -30,6 +30,7 @@ from .runner import LaunchedStep, ModelRunner, TargetOutput, target_inputs
 from .sampler import StepLogprobs, greedy_tokens, request_key, sample_rows
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
+from .mtp_rows import max_kept_rows
 from .spec_pause import DraftPause
 from .spec import (DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled,
                    verdict_of_step_graph)
@@ -66,6 +67,8 @@ class LLMEngine:
         self.device = torch.device(engine_cfg.device)
         self.draft_len = engine_cfg.draft_len
         self.runner = runner or ModelRunner(model, storage, self.device, engine_cfg.attention_backend)
+        self.runner.mtp_rows_max = max_kept_rows(engine_cfg.max_num_tokens, engine_cfg.max_batch_size,
+                                                 storage.layout.swa_cap)
         self.scheduler = scheduler or Scheduler(cache, engine_cfg.max_batch_size, engine_cfg.max_num_tokens,
                                                 prefill_alone=engine_cfg.batch_invariant)
         # speculation's propose stage (None without MTP); tests and benchmarks may wrap it (RewrittenProposer)

@@ -65,20 +65,29 @@ def host_keep(num_new: Sequence[int], cap: int) -> list[int] | None:
 MIN_ROWS = 64  # the smallest row count a kept-rows pass runs at (``padded``)
 
 
-def padded(keep: list[int]) -> list[int]:
-    """``keep`` padded with inert rows (-1) to the next power of two from ``MIN_ROWS``: a kept-rows pass then
-    runs at one of a few row counts, which warmup runs each once (``row_counts``, ``inert``), so that serving
-    never runs it first at a new row count (which held a step's launch about 100 ms, see the module doc)."""
+def max_kept_rows(max_num_tokens: int, max_batch_size: int, cap: int) -> int:
+    """The most rows a step's kept-rows pass can have: its tokens, and ``cap`` (swa_cap) a request."""
+    return min(max_num_tokens, max_batch_size * cap)
+
+
+def padded(keep: list[int], largest: int | None = None) -> list[int]:
+    """``keep`` padded with inert rows (-1) to the next power of two from ``MIN_ROWS``, or to ``largest`` (the most
+    kept rows a step can have, ``max_kept_rows``) where that is less: a kept-rows pass then runs at one of a few
+    row counts, which warmup runs each once (``row_counts``, ``inert``), so that serving never runs it first at a
+    new row count (which held a step's launch about 100 ms, see the module doc)."""
     M = max(MIN_ROWS, 1 << (len(keep) - 1).bit_length())
+    if largest is not None and len(keep) <= largest:
+        M = min(M, largest)
     return keep + [-1] * (M - len(keep))
 
 
 def row_counts(max_rows: int) -> list[int]:
-    """Every row count ``padded`` gives for up to ``max_rows`` kept rows."""
-    out = [MIN_ROWS]
-    while out[-1] < max_rows:
-        out.append(2 * out[-1])
-    return out
+    """Every row count ``padded(.., max_rows)`` gives: powers of two from ``MIN_ROWS`` below ``max_rows``, then
+    ``max_rows``."""
+    out = []
+    while (out[-1] * 2 if out else MIN_ROWS) < max_rows:
+        out.append(out[-1] * 2 if out else MIN_ROWS)
+    return out + [max_rows]
 
 
 def inert(M: int, W: int, device) -> MtpRows:

@@ -235,6 +235,9 @@ class ModelRunner:
             raise ValueError("attention_backend='triton' needs a CUDA device (or attention_backend='auto'/'torch')")
         self.max_step_rows = 1 + storage.layout.max_draft_len  # the most rows a decode-like step adds
 
+        # the most rows a kept-rows MTP pass can have (mtp_rows.max_kept_rows; the engine sets it, as every rank
+        # does): its padding's largest row count. None: powers of two only, and warmup runs none of them
+        self.mtp_rows_max: int | None = None
         self.graphs = None  # a GraphRunner once graphs are prepared (CUDA, not enforce_eager)
         # with MTP, a GraphRunner of one row per request beside it: steps whose drafting is paused, probes
         self.keep_graphs = None
@@ -288,20 +291,21 @@ class ModelRunner:
         keep = host_keep(plan.num_new, self.storage.layout.swa_cap)
         if keep is None:
             return None
-        return select(plan, padded(keep) if self.mtp_rows_padded else keep, plan.swa_step_base)
+        return select(plan, padded(keep, self.mtp_rows_max) if self.mtp_rows_padded else keep, plan.swa_step_base)
 
-    def warm_mtp_rows(self, max_rows: int) -> list[int]:
+    def warm_mtp_rows(self) -> list[int]:
         """Run the kept-rows passes (the keep-up pass, the whole MTP pass) once over inert rows at every row count
-        ``padded`` gives for up to ``max_rows`` kept rows (warmup); returns the row counts (none without them)."""
-        counts = self.mtp_row_counts(max_rows)
+        ``padded`` gives (warmup); returns the row counts (none without such passes)."""
+        counts = self.mtp_row_counts()
         self.run_inert_mtp_rows(counts)
         return counts
 
-    def mtp_row_counts(self, max_rows: int) -> list[int]:
-        """The row counts the kept-rows passes run at for up to ``max_rows`` kept rows ([]: no such passes)."""
-        if not (self.mtp_rows_padded and self.mtp_tail_rows and self.model.mtp_window_only):
+    def mtp_row_counts(self) -> list[int]:
+        """The row counts the kept-rows passes run at ([]: no such passes, or no ``mtp_rows_max`` given)."""
+        if not (self.mtp_rows_padded and self.mtp_tail_rows and self.model.mtp_window_only
+                and self.mtp_rows_max):
             return []
-        return row_counts(max_rows)
+        return row_counts(self.mtp_rows_max)
 
     @torch.no_grad()
     def run_inert_mtp_rows(self, counts: Sequence[int]) -> None:

@@ -65,7 +65,6 @@ def run_warmup(engine) -> list[str]:
     """Run every path; the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
     both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
     request (the separate graphs, keyed draws verified on the device)."""
-    cfg = engine.cfg
     done = []
     for name, prompt_lens, max_tokens, with_sampled, pause in warmup_paths(engine):
         ids = []
@@ -97,10 +96,8 @@ def run_warmup(engine) -> list[str]:
         done.append(name)
         log.info("warmup: %s ok", name)
     if engine.draft_len:  # the kept-rows MTP passes at every row count they are padded to
-        cap = engine.cache.layout.swa_cap
-        max_rows = min(cfg.max_num_tokens, cfg.max_batch_size * engine.num_lanes * cap)
         try:
-            counts = engine.runner.warm_mtp_rows(max_rows)
+            counts = engine.runner.warm_mtp_rows()
         except Exception as e:
             raise WarmupError(f"warmup path 'MTP passes over kept rows' failed: {type(e).__name__}: {e}") from e
         if counts:

@@ -26,6 +26,7 @@ from ..engine.resolved import ResolvedConfig
 from ..engine.scheduler import Scheduler
 from ..model.loader import load_state, model_config
 from .comm import RankGroup
+from ..engine.mtp_rows import max_kept_rows
 from .executor import DistributedRunner, LaneRunner, StopMsg, follow
 from .lanes import DataParallelScheduler, LaneCaches
 from .mapping import ParallelMapping
@@ -94,6 +95,7 @@ def serve(group: RankGroup) -> None:
     storage = make_storage(r, device)
     runner = LaneRunner(model, storage, device, r.engine.attention_backend, r.engine.batch_invariant)
     runner.mtp_tail_rows = not setup.mapping.attention_dp  # (as the driver's: DistributedRunner)
+    runner.mtp_rows_max = max_kept_rows(r.engine.max_num_tokens, r.engine.max_batch_size, r.layout.swa_cap)
     build_graphs(runner, r.graphs)  # with the driver and every rank: same buckets, same order
     group.gather("ready")
     counts = {}
