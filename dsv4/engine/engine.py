@@ -22,6 +22,7 @@ import torch
 from ..cache.manager import SeqStep
 from ..config import ModelConfig
 from ..transfer import HostCopy, to_device
+from .mtp_rows import max_kept_rows
 from .outputs import CompletionOutput, RequestOutput
 from .proposer import DeviceProposals, MtpProposer, Proposer
 from .protocols import StepCache, StepScheduler
@@ -30,7 +31,6 @@ from .runner import LaunchedStep, ModelRunner, TargetOutput, target_inputs
 from .sampler import StepLogprobs, greedy_tokens, request_key, sample_rows
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledSeq
-from .mtp_rows import max_kept_rows
 from .spec_pause import DraftPause
 from .spec import (DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled,
                    verdict_of_step_graph)

@@ -84,9 +84,10 @@ def padded(keep: list[int], largest: int | None = None) -> list[int]:
 def row_counts(max_rows: int) -> list[int]:
     """Every row count ``padded(.., max_rows)`` gives: powers of two from ``MIN_ROWS`` below ``max_rows``, then
     ``max_rows``."""
-    out = []
-    while (out[-1] * 2 if out else MIN_ROWS) < max_rows:
-        out.append(out[-1] * 2 if out else MIN_ROWS)
+    out, M = [], MIN_ROWS
+    while M < max_rows:
+        out.append(M)
+        M *= 2
     return out + [max_rows]
 
 

@@ -295,17 +295,13 @@ class ModelRunner:
 
     def warm_mtp_rows(self) -> list[int]:
         """Run the kept-rows passes (the keep-up pass, the whole MTP pass) once over inert rows at every row count
-        ``padded`` gives (warmup); returns the row counts (none without such passes)."""
-        counts = self.mtp_row_counts()
-        self.run_inert_mtp_rows(counts)
-        return counts
-
-    def mtp_row_counts(self) -> list[int]:
-        """The row counts the kept-rows passes run at ([]: no such passes, or no ``mtp_rows_max`` given)."""
+        ``padded`` gives (warmup); returns the row counts ([]: no such passes, or no ``mtp_rows_max`` given)."""
         if not (self.mtp_rows_padded and self.mtp_tail_rows and self.model.mtp_window_only
                 and self.mtp_rows_max):
             return []
-        return row_counts(self.mtp_rows_max)
+        counts = row_counts(self.mtp_rows_max)
+        self.run_inert_mtp_rows(counts)
+        return counts
 
     @torch.no_grad()
     def run_inert_mtp_rows(self, counts: Sequence[int]) -> None:
@@ -318,14 +314,11 @@ class ModelRunner:
                 sub = inert(M, st.layout.window, self.device)
                 X = torch.zeros(M, n, d, dtype=model.embed.weight.dtype, device=self.device)
                 ids = torch.zeros(M, dtype=torch.long, device=self.device)
-                model.mtp_keep_up(X, ids, self._rows_backend_at(sub, base))
-                model.mtp_streams(X, ids, self._rows_backend_at(sub, base))
+                model.mtp_keep_up(X, ids, self._rows_backend(sub, base))
+                model.mtp_streams(X, ids, self._rows_backend(sub, base))
 
-    def _rows_backend(self, plan, sub: MtpRows):
+    def _rows_backend(self, sub: MtpRows, swa_step_base: int):
         """The backend of a pass over ``sub``'s rows (up to swa_cap a request: the prefill path on the kernels)."""
-        return self._rows_backend_at(sub, plan.swa_step_base)
-
-    def _rows_backend_at(self, sub: MtpRows, swa_step_base: int):
         if self.use_kernels:
             return PrefillCudaBackend.for_draft(sub, self.storage, swa_step_base)
         return CachedBackend.for_draft(sub, self.storage)
@@ -431,7 +424,7 @@ class ModelRunner:
         graphs = self._graphs_of(plan) if graphed else None
         sub = None if graphed else self._mtp_rows(plan)  # (a prefill graph bucket selects its own)
         if sub is not None:
-            X, next_ids, backend = sub.rows(X), sub.ids(next_ids), self._rows_backend(plan, sub)
+            X, next_ids, backend = sub.rows(X), sub.ids(next_ids), self._rows_backend(sub, plan.swa_step_base)
         else:
             backend = None if graphed else self._backend(plan)
         if not any_active and (graphs.keep_up if graphs is not None else self.pauses_drafting):

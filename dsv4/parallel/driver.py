@@ -20,13 +20,13 @@ import torch
 from .. import env
 from ..cache.manager import KVCacheManager
 from ..engine.build import make_storage
+from ..engine.mtp_rows import max_kept_rows
 from ..engine.engine import LLMEngine
 from ..engine.graphs import build_graphs
 from ..engine.resolved import ResolvedConfig
 from ..engine.scheduler import Scheduler
 from ..model.loader import load_state, model_config
 from .comm import RankGroup
-from ..engine.mtp_rows import max_kept_rows
 from .executor import DistributedRunner, LaneRunner, StopMsg, follow
 from .lanes import DataParallelScheduler, LaneCaches
 from .mapping import ParallelMapping
