@@ -1,8 +1,8 @@
 """Where the seed's command's first steps wait: the first engine steps of a timed run (after dsv4-bench's two
 warmup requests, run through the same loop), MTP off against the seed's MTP, under torch.profiler. For each step:
 the host's time in ``engine.step()``, the GPU's busy time inside that call, and every host call that blocked
-for more than ``--min-ms`` (synchronisations, blocking copies, allocations, module loads), every GPU idle gap that long, with its time from the run's start, and the host events of each call with the longest
-self time (``--stack``: Python functions too): where TTFT goes before the first tokens come back.
+for more than ``--min-ms`` (synchronisations, blocking copies, allocations, module loads), every GPU idle gap that long, with its time from the run's start, and the host functions of each call with the longest
+self time (summed by name) (``--stack``: Python functions too): where TTFT goes before the first tokens come back.
 
     python3 first_steps_gpu.py --runs off mtp off mtp [--steps 6]
 
@@ -136,8 +136,12 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
                                                                            "cuda_runtime", "cuda_driver")]
     own = self_times(host)
     for s, e, name in ranges:
-        top = sorted(((t, n) for at, t, n in own if s <= at - t0 < e and t >= min_ms * 1e3), reverse=True)[:6]
-        print(f"- {name} host self time >= {min_ms} ms: "
+        by_name: dict[str, float] = {}
+        for at, t, n in own:
+            if s <= at - t0 < e:
+                by_name[n] = by_name.get(n, 0.0) + t
+        top = sorted(((t, n) for n, t in by_name.items() if t >= min_ms * 1e3), reverse=True)[:8]
+        print(f"- {name} host self time by function, >= {min_ms} ms in the call: "
               + ("; ".join(f"{t / 1e3:.1f} {n[:90]}" for t, n in top) or "none"))
 
 
