@@ -10,7 +10,9 @@ self time (summed by name) (``--stack``: Python functions too): where TTFT goes 
 (``ModelRunner.mtp_tail_rows`` off), whose GEMMs have the target pass's row counts; ``mtp-unpadded``: the kept
 rows not padded to the row counts warmup runs (``ModelRunner.mtp_rows_padded`` off); ``mtp-far``: drafting paused
 far from the next probe when the timed requests arrive (their prompt steps skip the keep-up pass);
-``mtp-drafting``: the pause reset before them (drafting: the whole MTP pass over the kept rows, then drafts).
+``mtp-drafting``: the pause reset before them (drafting: the whole MTP pass over the kept rows, then drafts);
+``mtp-full-keep``: a paused step within the ring's span of the next probe keeps each request's last swa_cap rows
+(as before the thirty-third session), not only those the probe will read (``DraftPause.keep_rows``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from dsv4.bench.runner import _drive
 from dsv4.bench.dataset import DatasetRequest
 from dsv4.config import get_preset
 from dsv4.engine.runner import ModelRunner
+from dsv4.engine.spec_pause import DraftPause
 
+KEEP_ROWS = DraftPause.keep_rows
 SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
 
 
@@ -68,6 +72,8 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
         stack: bool = False):
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
     ModelRunner.mtp_rows_padded = label != "mtp-unpadded"
+    DraftPause.keep_rows = (lambda self, margin: margin if KEEP_ROWS(self, margin) > 0 else 0) \
+        if label == "mtp-full-keep" else KEEP_ROWS
     settings = load_yaml(str(SEED_CONFIG))
     if label == "off":
         settings.pop("speculative_config", None)
@@ -147,7 +153,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded", "mtp-far", "mtp-drafting"))
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded", "mtp-far", "mtp-drafting", "mtp-full-keep"))
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=128)

@@ -222,9 +222,9 @@ def test_keep_up_pass_stores_the_whole_passs_window_rows_on_cuda(dtype, monkeypa
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_paused_steps_far_from_a_probe_leave_the_mtp_ring_on_cuda(dtype, monkeypatch):
     """CUDA graphs captured: paused steps more than the ring's span before the next probe replay the keep-up
-    runner's bare whole-step graph (no keep-up pass; a prompt arriving then, none either), against a run that
-    keeps up at every paused step: the same tokens and steps, and every ring row the cache calls current bit for
-    bit after every step."""
+    runner's bare whole-step graph (no keep-up pass; a prompt arriving then, none either; one arriving 5 steps
+    before a probe keeps its last rows only), against a run that keeps every row at every paused step: the same
+    tokens and steps, and every ring row the cache calls current bit for bit after every step."""
     from dsv4 import SamplingParams
     from dsv4.engine.spec_pause import DraftPause
 
@@ -235,17 +235,21 @@ def test_paused_steps_far_from_a_probe_leave_the_mtp_ring_on_cuda(dtype, monkeyp
     runs, bare = [], []
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(DraftPause, "keeps_up", lambda self, margin: True)
+            monkeypatch.setattr(DraftPause, "keep_rows", lambda self, margin: margin)
         llm = _engine("tiny", dtype=dtype, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2},
                       cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]})
         eng = llm.engine
         n = eng.runner.keep_graphs.num_bare_steps  # (warmup's)
         eng.pause = DraftPause(1.0, window=1, probe_every=eng.cache.layout.swa_cap + 6)
         rids = [eng.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in prompts]
-        trace = []
+        trace, near = [], False
         while eng.has_unfinished_requests():
             if len(trace) == 12:  # far from the next probe
                 rids.append(eng.add_request(prompts[2][::-1], SamplingParams(max_tokens=60, ignore_eos=True)))
+            elif not near and len(trace) > 12 and eng.pause.paused and \
+                    eng.pause.probe_interval - eng.pause._since_probe == 6:  # near it: keeps its last rows only
+                rids.append(eng.add_request(prompts[1][::-1], SamplingParams(max_tokens=30, ignore_eos=True)))
+                near = True
             eng.step()
             trace.append(([tuple(eng.requests[r].output_ids) for r in rids]
                           + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))

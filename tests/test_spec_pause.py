@@ -342,7 +342,7 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
     runs, skipped = [], []
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(DraftPause, "keeps_up", lambda self, margin: True)
+            monkeypatch.setattr(DraftPause, "keep_rows", lambda self, margin: margin)
         llm = LLM("tiny", warmup=False, max_batch_size=3, max_num_tokens=64, max_seq_len=256,
                   kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
                   speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
@@ -382,6 +382,53 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
     stale_rows = assert_same_current_rows(a, b)
     verifies = sum(seen[-1][1] == 3 * seen[-1][0] for seen, _ in a)  # steps of 1 + 2 drafts a request
     assert stale_rows > 0 and verifies >= 3  # rows were stale; probes drafted (and were verified)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_paused_steps_near_a_probe_keep_a_prompts_last_rows_only(overlap, monkeypatch):
+    """A paused step d <= swa_cap steps before the next probe writes only each request's last swa_cap - d + 1
+    rows to the MTP layer's ring (``DraftPause.keep_rows``): a prompt arriving there keeps a few of its rows, and
+    the probe still drafts (the cache calls every ring current then). Against a run that keeps every row at each
+    paused step: the same tokens, steps and drafts, and after every step the same ring rows wherever the cache
+    calls them current."""
+    prompts, lengths = _workload(3, 29)
+    prompts[2] = prompts[2] + [7] * 40  # arrives 5 steps before a probe
+    runs, partial = [], []
+    for partial_keep in (True, False):
+        if not partial_keep:
+            monkeypatch.setattr(DraftPause, "keep_rows", lambda self, margin: margin)
+        llm = LLM("tiny", warmup=False, max_batch_size=4, max_num_tokens=64, max_seq_len=256,
+                  kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
+                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
+        eng = llm.engine
+        S = eng.cache.layout.swa_cap
+        eng.pause = DraftPause(1.0, window=1, probe_every=S + 16)
+        kept, begin = [], eng.cache.begin_step
+
+        def recorded(seqs, **kw):
+            kept.append((kw.get("mtp_keep_last"), max(s.num_new for s in seqs)))
+            return begin(seqs, **kw)
+        eng.cache.begin_step = recorded
+        sp = [SamplingParams(max_tokens=n + 40, ignore_eos=True) for n in lengths]
+        rids = [eng.add_request(p, s) for p, s in zip(prompts[:2], sp[:2])]
+        trace, added = [], False
+        while eng.has_unfinished_requests():
+            if not added and eng.pause.paused and eng.pause.probe_interval - eng.pause._since_probe == 6:
+                rids.append(eng.add_request(prompts[2], sp[2]))  # its prompt step is 5 steps before the probe
+                added = True
+            eng.step()
+            trace.append(([(tuple(eng.requests[r].drafts), tuple(eng.requests[r].output_ids)) for r in rids]
+                          + [(eng.last_step["num_seqs"], eng.last_step["num_tokens"])], ring_spans(eng, rids)))
+        assert added
+        partial.append([(k, n) for k, n in kept if k is not None and k < n])
+        runs.append(trace)
+    assert partial[0] and not partial[1]  # the prompt step kept its last rows only (S - 5 + 1 of them)
+    assert any(k == S - 4 and n >= 40 for k, n in partial[0])
+    a, b = runs
+    assert len(a) == len(b)
+    assert_same_current_rows(a, b)
+    i = next(i for i, (seen, _) in enumerate(a) if len(seen) == 4 and seen[-1][1] >= 40)  # the prompt step
+    assert any(seen[-1][1] == 3 * seen[-1][0] for seen, _ in a[i + 1:i + 12])  # its probe drafted and verified
 
 
 def test_drafting_waits_until_the_mtp_ring_is_current():

@@ -200,7 +200,8 @@ class KVCacheManager:
     # ---- steps ----------------------------------------------------------------------------------------
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None,
-                   max_blocks: int | None = None, device="cpu", shift=None, mtp_keep_up: bool = True) -> StepPlan:
+                   max_blocks: int | None = None, device="cpu", shift=None, mtp_keep_up: bool = True,
+                   mtp_keep_last: int | None = None) -> StepPlan:
         """Build the StepPlan of one step and make it the active plan (see plan.py for its tables).
 
         Every request must be admitted and have reserved C + num_new tokens (C at its largest, for a request
@@ -208,8 +209,11 @@ class KVCacheManager:
         pad_batch_to (B), max_entries (E of entry_rows), max_blocks (width of block_table). ``shift``: a
         device tensor [len(seqs)], each request's committed rows beyond ``num_computed`` (0 .. its
         ``num_unsettled``), needed when any request of the step has unsettled rows. ``mtp_keep_up`` False: the
-        step leaves the MTP layer's window rows of its rows unwritten (``mtp_current``).
+        step leaves the MTP layer's window rows of its rows unwritten (``mtp_current``); ``mtp_keep_last``: it
+        writes at most each request's last this many (None: all it keeps), and leaves the earlier ones stale.
         """
+        if mtp_keep_last is not None and mtp_keep_last < 1:
+            raise ValueError(f"begin_step: mtp_keep_last {mtp_keep_last}: at least 1 row (mtp_keep_up=False for none)")
         if self._active is not None:
             raise StepOrderError(f"begin_step: step {self._active.step_id} is still active; call "
                                  "commit_step(plan, num_accepted) (or abort_step(plan)) before the next step")
@@ -249,10 +253,13 @@ class KVCacheManager:
             draft_lens=tuple(s.draft_len for s in seqs), slots=tuple(r.slot for r in reqs),
             block_tables=[tuple(r.blocks) for r in reqs], pad_tokens_to=pad_tokens_to,
             pad_batch_to=pad_batch_to, max_entries=max_entries, max_blocks=max_blocks, device=device,
-            unsettled=unsettled, shift=shift if any(unsettled) else None, mtp_keep_up=mtp_keep_up)
-        if not mtp_keep_up:
+            unsettled=unsettled, shift=shift if any(unsettled) else None, mtp_keep_up=mtp_keep_up,
+            mtp_keep_last=mtp_keep_last)
+        if not mtp_keep_up or mtp_keep_last is not None:
+            kept = 0 if not mtp_keep_up else mtp_keep_last
             for r, s in zip(reqs, seqs):
-                r.mtp_stale_to = max(r.mtp_stale_to, r.max_computed + s.num_new)
+                if s.num_new > kept:
+                    r.mtp_stale_to = max(r.mtp_stale_to, r.max_computed + s.num_new - kept)
         self._active = plan
         return plan
 

@@ -214,6 +214,10 @@ class StepPlan:
     # whether this step's MTP pass writes the MTP layer's window rows of its rows (False: a paused step far from
     # the next probe leaves them, ``KVCacheManager.mtp_current`` says when a request's ring can be read again)
     mtp_keep_up: bool = True
+    # where it writes them, at most each request's last this many rows (None: every row the pass keeps, its last
+    # swa_cap): a paused step within the ring's span of the next probe writes only the rows still in the ring's
+    # span then (``DraftPause.keep_rows``); the rest are stale (``mtp_current``)
+    mtp_keep_last: int | None = None
 
     @property
     def swa_step_base(self) -> int:
@@ -378,7 +382,8 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
                slots: Sequence[int], block_tables: Sequence[Sequence[int]], pad_tokens_to: int | None = None,
                pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
                device="cpu", unsettled: Sequence[int] | None = None,
-               shift: torch.Tensor | None = None, mtp_keep_up: bool = True) -> StepPlan:
+               shift: torch.Tensor | None = None, mtp_keep_up: bool = True,
+               mtp_keep_last: int | None = None) -> StepPlan:
     """Turn a validated batch (host ints) into a StepPlan. Pure: reads only its arguments.
 
     The manager validates requests; this checks only the padding arguments, which it alone interprets.
@@ -442,4 +447,5 @@ def build_plan(layout: CacheLayout, *, num_slots: int, owner: int, step_id: int,
         block_ids=tuple(tuple(b) for b in block_tables), num_tokens=N, num_seqs=B, shape=shape,
         num_windows=None if any(unsettled) else MappingProxyType(real_windows), layout=layout,
         num_slots=num_slots, rows=rows, unsettled=unsettled, mtp_keep_up=mtp_keep_up,
+        mtp_keep_last=mtp_keep_last,
     )

@@ -148,12 +148,12 @@ class LLMEngine:
         # (for the iteration log: counted before the step moves its requests on)
         num_context = sum(1 for s in seqs if not s.request.in_decode or not s.sample)
         mtp = self.draft_len > 0
-        drafting, keep_up = self._drafting_and_keep_up(seqs) if mtp else (False, True)
+        drafting, keep_last = self._drafting_and_keep_up(seqs) if mtp else (False, None)
         plan = self.cache.begin_step(
             [SeqStep(s.request.request_id, s.num_new, self.draft_len if (drafting and s.sample) else 0)
              for s in seqs],
-            device=self.device, shift=self._shift(seqs, prev), mtp_keep_up=keep_up,
-            **self.runner.padding_for(seqs))
+            device=self.device, shift=self._shift(seqs, prev), mtp_keep_up=keep_last != 0,
+            mtp_keep_last=keep_last or None, **self.runner.padding_for(seqs))
         done: tuple[list, list] = ([], [])
         launched, committed = None, False
         try:
@@ -216,18 +216,21 @@ class LLMEngine:
                 outs.append(self._output(req))
         return outs
 
-    def _drafting_and_keep_up(self, seqs: list[ScheduledSeq]) -> tuple[bool, bool]:
+    def _drafting_and_keep_up(self, seqs: list[ScheduledSeq]) -> tuple[bool, int | None]:
         """Whether this MTP step's requests propose drafts for the next (``_drafts_now``; held back while a
-        request's MTP ring holds rows a paused step left stale), and whether the step keeps the MTP layer's ring
-        current (``DraftPause.keeps_up``; always where it drafts). A paused step far from the next probe leaves
-        a prompt's rows stale too: the ring's span of keep-up steps before the probe moves them out of the
-        window, as it does a decode row's."""
+        request's MTP ring holds rows a paused step left stale), and how many of each request's last rows the
+        step writes to the MTP layer's ring (None: all its MTP pass keeps, always where it drafts; 0: none;
+        ``DraftPause.keep_rows``). A paused step far from the next probe leaves a prompt's rows stale too: the
+        ring's span of keep-up steps before the probe moves them out of the window, as it does a decode row's;
+        one nearer the probe writes only a prompt's last rows that will still be in the span then."""
         drafting = self._drafts_now(seqs)
         if self.pause is None:
-            return drafting, True
+            return drafting, None
         if drafting and not self.cache.mtp_current([s.request.request_id for s in seqs]):
             drafting = False
-        return drafting, drafting or self.pause.keeps_up(self.cache.layout.swa_cap)
+        cap = self.cache.layout.swa_cap
+        keep = cap if drafting else self.pause.keep_rows(cap)
+        return drafting, (None if keep >= cap else keep)
 
     def _drafts_now(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether this MTP step's requests draft (``DraftPause``: not while drafting does not pay; a step that

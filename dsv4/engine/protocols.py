@@ -18,10 +18,11 @@ class StepCache(Protocol):
 
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-                   device="cpu", shift=None, mtp_keep_up: bool = True):
+                   device="cpu", shift=None, mtp_keep_up: bool = True, mtp_keep_last: int | None = None):
         """Reserve the step's rows and return its immutable plan (a StepPlan, or a LanePlans of them);
         ``shift``: the device's committed rows beyond the host's, for requests with unsettled rows;
-        ``mtp_keep_up`` False: the step leaves the MTP layer's window rows unwritten (drafting paused)."""
+        ``mtp_keep_up`` False: the step leaves the MTP layer's window rows unwritten (drafting paused);
+        ``mtp_keep_last``: it writes only each request's last this many rows of them."""
 
     def mtp_current(self, req_ids) -> bool:
         """Whether these requests' MTP window rings hold every row a drafting pass reads."""

@@ -285,10 +285,12 @@ class ModelRunner:
         return PrefillCudaBackend.for_step(plan, self.storage)
 
     def _mtp_rows(self, plan) -> MtpRows | None:
-        """The rows the MTP catch-up pass of ``plan``'s step runs over when fewer than the step's (``mtp_rows.py``)."""
+        """The rows the MTP catch-up pass of ``plan``'s step runs over when fewer than the step's (``mtp_rows.py``):
+        each request's last swa_cap, or its last ``plan.mtp_keep_last`` (a paused step near a probe)."""
         if not (self.mtp_tail_rows and self.model.mtp_window_only):
             return None
-        keep = host_keep(plan.num_new, self.storage.layout.swa_cap)
+        cap = self.storage.layout.swa_cap
+        keep = host_keep(plan.num_new, cap if plan.mtp_keep_last is None else min(cap, plan.mtp_keep_last))
         if keep is None:
             return None
         return select(plan, padded(keep, self.mtp_rows_max) if self.mtp_rows_padded else keep, plan.swa_step_base)

@@ -13,7 +13,9 @@ next, up to ``max_probe_every`` (a probe costs a drafting step and a verify step
 what paused MTP costs beyond its keep-up passes); a resume starts again from ``probe_every``. A paused step
 more than ``margin`` steps before the next probe need not keep the MTP layer's ring current at all
 (``keeps_up``): with ``margin`` the ring's span, the rows it would write have left the window by the time a
-probe reads it (the engine checks that each request's ring is current before it drafts, ``mtp_current``).
+probe reads it (the engine checks that each request's ring is current before it drafts, ``mtp_current``). For
+the same reason one within ``margin`` steps of the probe writes only each request's last rows that will still
+be in the span then (``keep_rows``): a prompt chunk's few last, not its last ``margin``.
 
 The outputs do not depend on it (drafts change only how many tokens a step emits); it is plain host
 bookkeeping, one decision per step (``drafts_now``), fed by the engine's reads of each verdict (``record``).
@@ -98,12 +100,21 @@ class DraftPause:
         self.num_paused_steps += 1
         return False
 
+    def keep_rows(self, margin: int) -> int:
+        """How many of each request's newest rows this step (after its ``drafts_now``) writes to the MTP layer's
+        ring, ``margin`` being the ring's span: all (``margin``) while not paused and in the two steps after a
+        probe (the one that verifies its drafts and, overlapped, the one launched before they are read back: a
+        resume may follow them); none more than ``margin`` steps before the next probe; in between, d steps
+        before it, the last ``margin - d + 1``: a request moves on by a row at least each step, so at the probe
+        its ring's span starts after the earlier ones. (A decode row, one a request, is then kept whole; a
+        prompt chunk arriving shortly after a probe keeps a few of its rows, not its last ``margin``.)"""
+        if not self.paused or self._since_probe <= 2:
+            return margin
+        return max(0, margin - (self.probe_interval - self._since_probe) + 1)
+
     def keeps_up(self, margin: int) -> bool:
-        """Whether this step (after its ``drafts_now``) keeps the MTP layer's ring current: any step while not
-        paused, a paused one at most ``margin`` steps before the next probe, and the two after a probe (the
-        one that verifies its drafts and, overlapped, the one launched before they are read back: a resume may
-        follow them)."""
-        return not self.paused or self._since_probe <= 2 or self.probe_interval - self._since_probe <= margin
+        """Whether this step (after its ``drafts_now``) writes any row to the MTP layer's ring (``keep_rows``)."""
+        return self.keep_rows(margin) > 0
 
     def as_dict(self) -> dict:
         return {"paused": self.paused, "below": self.below, "num_pauses": self.num_pauses,

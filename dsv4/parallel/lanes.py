@@ -43,10 +43,11 @@ class LaneCaches:
 
     def begin_step(self, seqs: Sequence[SeqStep], *, pad_tokens_to: int | None = None,
                    pad_batch_to: int | None = None, max_entries: int | None = None, max_blocks: int | None = None,
-                   device="cpu", shift=None, mtp_keep_up: bool = True) -> LanePlans:
+                   device="cpu", shift=None, mtp_keep_up: bool = True,
+                   mtp_keep_last: int | None = None) -> LanePlans:
         if shift is not None:
             raise NotImplementedError("attention-DP lanes do not overlap MTP steps (no unsettled rows to shift)")
-        if not mtp_keep_up:
+        if not mtp_keep_up or mtp_keep_last is not None:
             raise NotImplementedError("attention-DP lanes do not pause drafting (every step keeps the MTP ring)")
         lanes: list[list[SeqStep]] = [[] for _ in self.managers]
         idx: list[list[int]] = [[] for _ in self.managers]
