@@ -110,14 +110,32 @@ def test_chunked_prefill_equals_one_shot(tiny_dir):
     assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in chunked]
 
 
+def test_warmup_runs_a_full_step_of_prompts_beside_decode_rows(tiny_dir, monkeypatch):
+    """Warmup's path of a server's first wave: a step of max_num_tokens that holds decode rows, a chunk that
+    continues a prompt an earlier step began, and new prompts (the single context chunk has none of these)."""
+    from dsv4.cache.manager import KVCacheManager
+
+    steps, begin = [], KVCacheManager.begin_step
+
+    def recorded(self, seqs, **kw):
+        steps.append([(s.num_new, self._reqs[s.req_id].num_computed) for s in seqs])
+        return begin(self, seqs, **kw)
+    monkeypatch.setattr(KVCacheManager, "begin_step", recorded)
+    llm = LLM(tiny_dir, max_batch_size=8, max_num_tokens=100, max_seq_len=256)
+    assert "prompts in chunks of max_num_tokens beside decode rows (3 x 100 tokens)" in llm.warmup_paths
+    assert any(sum(n for n, _ in st) == 100 and any(c >= 100 for _, c in st)  # decode rows
+               and any(0 < c < 100 for _, c in st) and any(n > 1 and c == 0 for n, c in st) for st in steps)
+
+
 @pytest.mark.parametrize("mtp", [None, MTP(1)])
 def test_warmup_with_the_seeds_settings(tiny_dir, mtp):
     llm = LLM(tiny_dir, max_batch_size=4, max_num_tokens=256, max_seq_len=512,
               kv_cache_config={"tokens_per_block": 128, "dtype": "fp8", "free_gpu_memory_fraction": 0.9},
               cuda_graph_config={"enable_padding": True}, moe_config={"backend": "TRTLLM"},
               speculative_config=mtp)
-    # (MTP: verify + draft, drafting paused thrice, the kept-rows passes at every row count)
-    assert len(llm.warmup_paths) == (7 if mtp else 2)
+    # (prompts in two full chunks beside decode rows; MTP: verify + draft, drafting paused thrice, the kept-rows
+    # passes at every row count)
+    assert len(llm.warmup_paths) == (8 if mtp else 3)
     cache = llm.engine.cache
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
     prompts = _prompts(3, [3, 40, 130], seed=5)

@@ -289,6 +289,6 @@ def test_warmup_runs_whole_step_graphs_and_a_sampled_mtp_step(monkeypatch):
     llm = LLM("tiny", max_batch_size=4, max_num_tokens=48, max_seq_len=256, kv_cache_config={"max_tokens": 4096},
               cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]},
               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
-    assert len(llm.warmup_paths) == 7  # (three with drafting paused, tests/test_spec_pause.py; the kept-rows passes)
+    assert len(llm.warmup_paths) == 8  # (three with drafting paused, tests/test_spec_pause.py; the kept-rows passes)
     assert llm.engine.runner.graphs.num_whole_steps > 0 and calls
     assert not llm.engine.requests and llm.engine.cache.num_free_slots == llm.engine.cache.num_slots

@@ -19,7 +19,8 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     """(name, prompt lengths, max_tokens, with a sampled request, the pause: None for the engine's own, else the
     probe interval of one that pauses at the first rejected draft, and None or, paused from the start, its paused
     steps since the last probe) of each path: a context chunk of
-    max_num_tokens, one request's prefill for each prefill graph, a decode batch of max_batch_size, and with
+    max_num_tokens, prompts that fill two such steps beside decode rows (``_mixed_prompts``), one request's
+    prefill for each prefill graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
     ``run_warmup``), and where the engine may pause drafting, the same batch with drafting paused (steps of one
@@ -36,6 +37,13 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     decode_out = min(2, L - 1)
     decode_prompt = max(1, min(4, L - decode_out))
     paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False, None)]
+    # a server's first wave: prompts prefilled in full steps of max_num_tokens beside the decode rows of those
+    # before them, one prompt split between two steps (its second chunk reads what the first cached)
+    wave = max(1, min(chunk, L - 8))  # (room for decode rows that outlast a few steps)
+    mixed = _mixed_prompts(engine, wave, batch, lanes)
+    if mixed:
+        paths.append((f"prompts in chunks of max_num_tokens beside decode rows ({mixed} x {wave} tokens)",
+                      [wave] * mixed, min(8, L - wave), False, None))
     # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
     graphs = engine.runner.graphs
     for T in sorted({min(T, L - 2) for T in (graphs.prefill_tokens if graphs is not None else ())} - {chunk}):
@@ -59,6 +67,16 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
                           f" keep-up pass, batch {batch})", [long] + [prompt] * (batch - 1), min(4, L - long),
                           False, (10 ** 9, 3)))
     return paths
+
+
+def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
+    """How many ``prompt``-token requests make two full steps of max_num_tokens and a split prompt (0: fewer
+    than two requests fit the batch or the cache, or they would not need a second chunk)."""
+    budget = engine.cfg.max_num_tokens
+    tpb = engine.cache.layout.tokens_per_block
+    per_request = -(-(prompt + 8 + engine.draft_len) // tpb) + 1  # blocks, the draft lookahead included
+    n = min(batch, lanes * (2 * -(-budget // prompt) + 1), engine.cache.num_free_blocks // per_request)
+    return n if n >= 2 and n * prompt > lanes * budget else 0
 
 
 def run_warmup(engine) -> list[str]:
