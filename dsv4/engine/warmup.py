@@ -18,9 +18,9 @@ class WarmupError(RuntimeError):
 def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int | None] | None]]:
     """(name, prompt lengths, max_tokens, with a sampled request, the pause: None for the engine's own, else the
     probe interval of one that pauses at the first rejected draft, and None or, paused from the start, its paused
-    steps since the last probe) of each path: a context chunk of
-    max_num_tokens, prompts that fill two such steps beside decode rows (``_mixed_prompts``), one request's
-    prefill for each prefill graph, a decode batch of max_batch_size, and with
+    steps since the last probe) of each path: a context chunk of max_num_tokens, prompts that fill two such
+    steps beside decode rows (``_mixed_prompts``; the kernel path only), one request's prefill for each prefill
+    graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
     ``run_warmup``), and where the engine may pause drafting, the same batch with drafting paused (steps of one
@@ -38,9 +38,11 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     decode_prompt = max(1, min(4, L - decode_out))
     paths = [("context chunk of max_num_tokens=%d" % chunk, [chunk] * lanes, min(2, L - chunk), False, None)]
     # a server's first wave: prompts prefilled in full steps of max_num_tokens beside the decode rows of those
-    # before them, one prompt split between two steps (its second chunk reads what the first cached)
+    # before them, one prompt split between two steps (its second chunk reads what the first cached). On the
+    # kernel path only: there a kernel's first use at new sizes costs (the plain-torch path, on the CPU, would
+    # only pay two steps' compute: 15 s more warmup for mini with dsv4-bench's defaults on 2 cores)
     wave = max(1, min(chunk, L - 8))  # (room for decode rows that outlast a few steps)
-    mixed = _mixed_prompts(engine, wave, batch, lanes)
+    mixed = _mixed_prompts(engine, wave, batch, lanes) if engine.runner.use_kernels else 0
     if mixed:
         paths.append((f"prompts in chunks of max_num_tokens beside decode rows ({mixed} x {wave} tokens)",
                       [wave] * mixed, min(8, L - wave), False, None))
