@@ -12,7 +12,9 @@ rows not padded to the row counts warmup runs (``ModelRunner.mtp_rows_padded`` o
 far from the next probe when the timed requests arrive (their prompt steps skip the keep-up pass);
 ``mtp-drafting``: the pause reset before them (drafting: the whole MTP pass over the kept rows, then drafts);
 ``mtp-full-keep``: a paused step within the ring's span of the next probe keeps each request's last swa_cap rows
-(as before the thirty-third session), not only those the probe will read (``DraftPause.keep_rows``).
+(as before the thirty-third session), not only those the probe will read (``DraftPause.keep_rows``);
+``off-nowave``: MTP off without warmup's first-wave path (full steps of prompts beside decode rows, added in the
+thirty-third session).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from dsv4.bench.runner import _drive
 from dsv4.bench.dataset import DatasetRequest
 from dsv4.config import get_preset
 from dsv4.engine.runner import ModelRunner
+from dsv4.engine import warmup
 from dsv4.engine.spec_pause import DraftPause
 
-KEEP_ROWS = DraftPause.keep_rows
+KEEP_ROWS, MIXED = DraftPause.keep_rows, warmup._mixed_prompts
 SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
 
 
@@ -74,8 +77,9 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     ModelRunner.mtp_rows_padded = label != "mtp-unpadded"
     DraftPause.keep_rows = (lambda self, margin: margin if KEEP_ROWS(self, margin) > 0 else 0) \
         if label == "mtp-full-keep" else KEEP_ROWS
+    warmup._mixed_prompts = (lambda *a: 0) if label == "off-nowave" else MIXED
     settings = load_yaml(str(SEED_CONFIG))
-    if label == "off":
+    if label in ("off", "off-nowave"):
         settings.pop("speculative_config", None)
     L = max(len(p) for p in prompts)
     cuda = device == "cuda"
@@ -153,7 +157,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded", "mtp-far", "mtp-drafting", "mtp-full-keep"))
+    ap.add_argument("--runs", nargs="+", default=["off", "mtp", "off", "mtp"], choices=("off", "mtp", "mtp-all-rows", "mtp-unpadded", "mtp-far", "mtp-drafting", "mtp-full-keep", "off-nowave"))
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=128)

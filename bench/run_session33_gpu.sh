@@ -2,7 +2,7 @@
 # Thirty-third session: where the seed's command's first-wave prompt steps still lose 15-30 ms with MTP
 # (BENCHMARKS.md, thirty-second session, part 3).
 #   bash bench/run_session33_gpu.sh 1: the first 6 steps of a timed run under the profiler (bench/first_steps_gpu.py):
-#     MTP off; MTP as dsv4-bench leaves it after its two warmup requests (paused, within the ring's span of the
+#     MTP off without warmup's new first-wave path, and with it; MTP as dsv4-bench leaves it after its two warmup requests (paused, within the ring's span of the
 #     next probe: the prompt steps keep the last rows of each prompt the probe will read); the same keeping each
 #     prompt's last swa_cap rows (as before this session); paused far from a probe (the prompt steps skip the
 #     keep-up pass). With Python frames: each call's host self time by function, to name what holds the first
@@ -17,7 +17,7 @@ if [ "${1:-1}" = 3 ]; then  # the CUDA twins of the pause's paths (far from a pr
   timeout 300 python3 -m pytest -q tests/test_engine_cuda.py -k "far_from_a_probe or kept_rows or warmup or pause" \
     2>&1 | tail -5
 elif [ "${1:-1}" = 1 ]; then
-  (cd bench && timeout 420 python3 first_steps_gpu.py --runs off mtp mtp-full-keep mtp-far --steps 6 --stack --min-ms 2 2>&1 \
+  (cd bench && timeout 420 python3 first_steps_gpu.py --runs off-nowave off mtp mtp-full-keep --steps 6 --stack --min-ms 2 2>&1 \
     | grep -v "Warn\|USDT\|TRTLLM\|cuda_graph_config" | tee "$OUT/first_steps.txt")
 else
   . bench/seed_command.sh
