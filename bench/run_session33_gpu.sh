@@ -2,11 +2,11 @@
 # Thirty-third session: where the seed's command's first-wave prompt steps still lose 15-30 ms with MTP
 # (BENCHMARKS.md, thirty-second session, part 3).
 #   bash bench/run_session33_gpu.sh 1: the first 6 steps of a timed run under the profiler (bench/first_steps_gpu.py):
-#     MTP off without warmup's new first-wave path, and with it; MTP as dsv4-bench leaves it after its two warmup requests (paused, within the ring's span of the
-#     next probe: the prompt steps keep the last rows of each prompt the probe will read); the same keeping each
-#     prompt's last swa_cap rows (as before this session); paused far from a probe (the prompt steps skip the
-#     keep-up pass). With Python frames: each call's host self time by function, to name what holds the first
-#     mixed step's call (225-250 ms in every run, MTP off's too, with no CUDA call blocking in it).
+#     MTP off without warmup's new first-wave path, and with it; MTP as dsv4-bench leaves it after its two warmup
+#     requests (paused, within the ring's span of the next probe: the prompt steps keep the last rows of each
+#     prompt the probe will read); the same keeping each prompt's last swa_cap rows (as before this session).
+#     With Python frames: each call's host self time by function, to name what holds the first mixed step's call
+#     (225-250 ms in every run, MTP off's too, with no CUDA call blocking in it).
 #   bash bench/run_session33_gpu.sh 3: the CUDA twins of the pause's paths.
 #   bash bench/run_session33_gpu.sh 2: the seed's command, off / MTP / MTP keeping every prompt's last swa_cap rows
 #     near a probe, twice (dsv4-bench with its iteration log; the first run on a fresh machine compiles: ~2 min).
