@@ -8,12 +8,28 @@
 #     With Python frames: each call's host self time by function, to name what holds the first mixed step's call
 #     (225-250 ms in every run, MTP off's too, with no CUDA call blocking in it).
 #   bash bench/run_session33_gpu.sh 3: the CUDA twins of the pause's paths.
+#   bash bench/run_session33_gpu.sh all: parts 1 and 2 in one call (fewer runs).
 #   bash bench/run_session33_gpu.sh 2: the seed's command, off / MTP / MTP keeping every prompt's last swa_cap rows
 #     near a probe, twice (dsv4-bench with its iteration log; the first run on a fresh machine compiles: ~2 min).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ "${1:-1}" = 3 ]; then  # the CUDA twins of the pause's paths (far from a probe, near one, warmup's)
+if [ "${1:-1}" = all ]; then  # parts 1 and 2 in one call, shorter: one device call was all this session had left
+  (cd bench && timeout 300 python3 first_steps_gpu.py --runs off-nowave off mtp mtp-full-keep --steps 6 --stack \
+    --min-ms 2 2>&1 | grep -v "Warn\|USDT\|TRTLLM\|cuda_graph_config" > "$OUT/first_steps.txt")
+  grep -v "host self time" "$OUT/first_steps.txt" | grep "^| step\|^###" | head -40
+  . bench/seed_command.sh
+  seed_prepare
+  FULL="K = DraftPause.keep_rows; DraftPause.keep_rows = lambda self, m: m if K(self, m) > 0 else 0"
+  seed_run off1 /tmp/nomtp.yml "" 50 --iteration_log "$OUT/it_off1.jsonl"
+  seed_run mtp1 examples/mtp.yml "" 50 --iteration_log "$OUT/it_mtp1.jsonl"
+  seed_run full1 examples/mtp.yml "$FULL" 50 --iteration_log "$OUT/it_full1.jsonl"
+  seed_run off2 /tmp/nomtp.yml "" 50 --iteration_log "$OUT/it_off2.jsonl"
+  seed_run mtp2 examples/mtp.yml "" 50 --iteration_log "$OUT/it_mtp2.jsonl"
+  python3 bench/iteration_steps.py off1="$OUT/it_off1.jsonl" mtp1="$OUT/it_mtp1.jsonl" full1="$OUT/it_full1.jsonl" \
+    off2="$OUT/it_off2.jsonl" mtp2="$OUT/it_mtp2.jsonl" --first 6 > "$OUT/steps.txt" 2>&1
+  tail -8 "$OUT/steps.txt"
+elif [ "${1:-1}" = 3 ]; then  # the CUDA twins of the pause's paths (far from a probe, near one, warmup's)
   timeout 300 python3 -m pytest -q tests/test_engine_cuda.py -k "far_from_a_probe or kept_rows or warmup or pause" \
     2>&1 | tail -5
 elif [ "${1:-1}" = 1 ]; then
