@@ -103,6 +103,13 @@ def _workload(n: int, seed: int):
     return prompts, [rng.randint(12, 40) for _ in range(n)]
 
 
+def _chunked_mtp2_engine(max_batch_size: int, overlap: bool, **kw):
+    """tiny with MTP k = 2, prompts in chunks of 64 tokens, without warmup."""
+    return LLM("tiny", warmup=False, max_batch_size=max_batch_size, max_num_tokens=64, max_seq_len=256,
+               kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
+               speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw).engine
+
+
 def _answers(prompts, lengths):
     llm = LLM("tiny", warmup=False, max_batch_size=8, max_seq_len=256)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
@@ -343,10 +350,7 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
     for skip in (True, False):
         if not skip:
             monkeypatch.setattr(DraftPause, "keep_rows", lambda self, margin: margin)
-        llm = LLM("tiny", warmup=False, max_batch_size=3, max_num_tokens=64, max_seq_len=256,
-                  kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
-                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2}, **kw)
-        eng = llm.engine
+        eng = _chunked_mtp2_engine(3, overlap, **kw)
         S = eng.cache.layout.swa_cap
         eng.pause = DraftPause(1.0, window=1, probe_every=S + 16)  # paused steps 3..15 after a probe skip
         # (3 at a time: the fourth prompt is prefilled while drafting is paused)
@@ -397,10 +401,7 @@ def test_paused_steps_near_a_probe_keep_a_prompts_last_rows_only(overlap, monkey
     for partial_keep in (True, False):
         if not partial_keep:
             monkeypatch.setattr(DraftPause, "keep_rows", lambda self, margin: margin)
-        llm = LLM("tiny", warmup=False, max_batch_size=4, max_num_tokens=64, max_seq_len=256,
-                  kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap,
-                  speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2})
-        eng = llm.engine
+        eng = _chunked_mtp2_engine(4, overlap)
         S = eng.cache.layout.swa_cap
         eng.pause = DraftPause(1.0, window=1, probe_every=S + 16)
         kept, begin = [], eng.cache.begin_step
