@@ -14,20 +14,24 @@
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ "${1:-1}" = all ]; then  # parts 1 and 2 in one call, shorter: one device call was all this session had left
-  (cd bench && timeout 300 python3 first_steps_gpu.py --runs off-nowave off mtp mtp-full-keep --steps 6 --stack \
-    --min-ms 2 2>&1 | grep -v "Warn\|USDT\|TRTLLM\|cuda_graph_config" > "$OUT/first_steps.txt")
-  grep -v "host self time" "$OUT/first_steps.txt" | grep "^| step\|^###" | head -40
+if [ "${1:-1}" = all ]; then  # parts 1 and 2 in one call, shorter (BUDGET seconds: the seed runs that fit)
+  END=$((SECONDS + ${BUDGET:-470}))
+  (cd bench && timeout 250 python3 first_steps_gpu.py --runs off-nowave off mtp mtp-full-keep --steps 6 --stack \
+    --min-ms 2 2>&1 | grep --line-buffered -v "Warn\|USDT\|TRTLLM\|cuda_graph_config" > "$OUT/first_steps.txt")
+  grep "^| step\|^###" "$OUT/first_steps.txt" | head -40
   . bench/seed_command.sh
   seed_prepare
   FULL="K = DraftPause.keep_rows; DraftPause.keep_rows = lambda self, m: m if K(self, m) > 0 else 0"
-  seed_run off1 /tmp/nomtp.yml "" 50 --iteration_log "$OUT/it_off1.jsonl"
-  seed_run mtp1 examples/mtp.yml "" 50 --iteration_log "$OUT/it_mtp1.jsonl"
-  seed_run full1 examples/mtp.yml "$FULL" 50 --iteration_log "$OUT/it_full1.jsonl"
-  seed_run off2 /tmp/nomtp.yml "" 50 --iteration_log "$OUT/it_off2.jsonl"
-  seed_run mtp2 examples/mtp.yml "" 50 --iteration_log "$OUT/it_mtp2.jsonl"
-  python3 bench/iteration_steps.py off1="$OUT/it_off1.jsonl" mtp1="$OUT/it_mtp1.jsonl" full1="$OUT/it_full1.jsonl" \
-    off2="$OUT/it_off2.jsonl" mtp2="$OUT/it_mtp2.jsonl" --first 6 > "$OUT/steps.txt" 2>&1
+  runs=()
+  for r in "off1 /tmp/nomtp.yml" "mtp1 examples/mtp.yml" "full1 examples/mtp.yml" "off2 /tmp/nomtp.yml" \
+           "mtp2 examples/mtp.yml"; do
+    set -- $r
+    [ $((END - SECONDS)) -lt 50 ] && break
+    if [ "${1%?}" = full ]; then pre="$FULL"; else pre=""; fi
+    seed_run "$1" "$2" "$pre" 50 --iteration_log "$OUT/it_$1.jsonl"
+    runs+=("$1=$OUT/it_$1.jsonl")
+  done
+  python3 bench/iteration_steps.py "${runs[@]}" --first 6 > "$OUT/steps.txt" 2>&1
   tail -8 "$OUT/steps.txt"
 elif [ "${1:-1}" = 3 ]; then  # the CUDA twins of the pause's paths (far from a probe, near one, warmup's)
   timeout 300 python3 -m pytest -q tests/test_engine_cuda.py -k "far_from_a_probe or kept_rows or warmup or pause" \
