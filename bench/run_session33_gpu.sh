@@ -16,7 +16,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${1:-1}" = all ]; then  # parts 1 and 2 in one call, shorter (BUDGET seconds: the seed runs that fit)
   END=$((SECONDS + ${BUDGET:-470}))
-  (cd bench && timeout 250 python3 first_steps_gpu.py --runs off-nowave off mtp mtp-full-keep --steps 6 --stack \
+  (cd bench && timeout ${FIRST_S:-250} python3 first_steps_gpu.py --runs ${RUNS:-off-nowave off mtp mtp-full-keep} --steps 6 --stack \
     --min-ms 2 2>&1 | grep --line-buffered -v "Warn\|USDT\|TRTLLM\|cuda_graph_config" > "$OUT/first_steps.txt")
   grep "^| step\|^###" "$OUT/first_steps.txt" | head -40
   . bench/seed_command.sh
