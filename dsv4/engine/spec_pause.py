@@ -107,7 +107,8 @@ class DraftPause:
         resume may follow them); none more than ``margin`` steps before the next probe; in between, d steps
         before it, the last ``margin - d + 1``: a request moves on by a row at least each step, so at the probe
         its ring's span starts after the earlier ones. (A decode row, one a request, is then kept whole; a
-        prompt chunk arriving shortly after a probe keeps a few of its rows, not its last ``margin``.)"""
+        prompt chunk arriving about ``margin`` steps before the probe keeps a few of its rows, not its last
+        ``margin``.)"""
         if not self.paused or self._since_probe <= 2:
             return margin
         return max(0, margin - (self.probe_interval - self._since_probe) + 1)
