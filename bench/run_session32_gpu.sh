@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${1:-1}" = 1 ]; then
 . bench/seed_command.sh
 seed_prepare
-BEFORE="GraphRunner.slim_keep_step = False; DraftPause.keeps_up = lambda self, margin: True"
+BEFORE="GraphRunner.slim_keep_step = False; DraftPause.keep_rows = lambda self, margin: margin"
 seed_run off1 /tmp/nomtp.yml "" 240
 seed_run mtp1 examples/mtp.yml "" 100
 seed_run before1 /tmp/before.yml "$BEFORE" 100

@@ -11,7 +11,7 @@ wrong, which zero acceptance does not notice), ``mtp-no-probes`` (a paused engin
 ``mtp-wide-keep`` (a paused step's graph with a drafting step's acceptance kernels: ``GraphRunner.slim_keep_step``
 off), ``mtp-bare`` (neither keep-up passes nor probes: what a paused step costs beyond them) and
 ``mtp-keep-every-step`` (every paused step keeps the MTP ring current, also those far from the next probe:
-``DraftPause.keeps_up`` always True)."""
+``DraftPause.keep_rows`` always the ring's span)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ RUNS = ("off", "mtp", "mtp-no-keep-up", "mtp-no-probes", "mtp-all-rows", "mtp-wi
 def run_variant(label: str, *args):
     """``run`` with the run's switches set for it (and restored after)."""
     keep_up, tail, slim = DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows, GraphRunner.slim_keep_step
-    keeps_up = DraftPause.keeps_up
+    keep_rows = DraftPause.keep_rows
     if label == "mtp-keep-every-step":
-        DraftPause.keeps_up = lambda self, margin: True
+        DraftPause.keep_rows = lambda self, margin: margin
     if label in ("mtp-no-keep-up", "mtp-bare"):
         DeepseekV4.mtp_keep_up = lambda self, X, next_ids, backend: None
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
@@ -51,7 +51,7 @@ def run_variant(label: str, *args):
         return run(0 if label == "off" else 1, label in ("mtp-no-probes", "mtp-bare"), *args)
     finally:
         DeepseekV4.mtp_keep_up, ModelRunner.mtp_tail_rows, GraphRunner.slim_keep_step = keep_up, tail, slim
-        DraftPause.keeps_up = keeps_up
+        DraftPause.keep_rows = keep_rows
 
 
 def run(k: int, no_probes: bool, prompts, gen: int, concurrency: int, preset: str, device: str):

@@ -358,7 +358,7 @@ def test_paused_steps_far_from_the_next_probe_leave_the_mtp_ring(overlap, graphs
 
         def recorded(seqs, **kw):  # (keeps up, prompt rows, a paused step far from the next probe)
             plans.append((kw.get("mtp_keep_up", True), max(s.num_new for s in seqs) > 1,
-                          eng.pause.paused and not eng.pause.keeps_up(S)))
+                          eng.pause.paused and eng.pause.keep_rows(S) == 0))
             return begin(seqs, **kw)
         eng.cache.begin_step = recorded
         if graphs:

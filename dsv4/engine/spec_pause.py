@@ -12,7 +12,7 @@ resumes drafting when it reaches ``below``. Each probe that does not resume doub
 next, up to ``max_probe_every`` (a probe costs a drafting step and a verify step: at zero acceptance it is all of
 what paused MTP costs beyond its keep-up passes); a resume starts again from ``probe_every``. A paused step
 more than ``margin`` steps before the next probe need not keep the MTP layer's ring current at all
-(``keeps_up``): with ``margin`` the ring's span, the rows it would write have left the window by the time a
+(``keep_rows`` 0): with ``margin`` the ring's span, the rows it would write have left the window by the time a
 probe reads it (the engine checks that each request's ring is current before it drafts, ``mtp_current``). For
 the same reason one within ``margin`` steps of the probe writes only each request's last rows that will still
 be in the span then (``keep_rows``): a prompt chunk's few last, not its last ``margin``.
@@ -112,10 +112,6 @@ class DraftPause:
         if not self.paused or self._since_probe <= 2:
             return margin
         return max(0, margin - (self.probe_interval - self._since_probe) + 1)
-
-    def keeps_up(self, margin: int) -> bool:
-        """Whether this step (after its ``drafts_now``) writes any row to the MTP layer's ring (``keep_rows``)."""
-        return self.keep_rows(margin) > 0
 
     def as_dict(self) -> dict:
         return {"paused": self.paused, "below": self.below, "num_pauses": self.num_pauses,

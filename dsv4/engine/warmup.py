@@ -15,6 +15,9 @@ class WarmupError(RuntimeError):
     """A warmup path failed; the message names the path and the cause."""
 
 
+WAVE_OUT = 8  # the tokens each request of the first-wave path generates (its decode rows beside later prompts)
+
+
 def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int | None] | None]]:
     """(name, prompt lengths, max_tokens, with a sampled request, the pause: None for the engine's own, else the
     probe interval of one that pauses at the first rejected draft, and None or, paused from the start, its paused
@@ -26,7 +29,7 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     ``run_warmup``), and where the engine may pause drafting, the same batch with drafting paused (steps of one
     row with the MTP layer's keep-up pass, probes, and the steps into and out of a pause), then paused from the
     start with no probe in sight: just after a probe (a prompt longer than the MTP ring's span: the keep-up pass
-    over its kept rows, ``engine/mtp_rows.py``; then steps without the keep-up pass, ``DraftPause.keeps_up``),
+    over its kept rows, ``engine/mtp_rows.py``; then steps without the keep-up pass, ``DraftPause.keep_rows``),
     and far from one from the first step (prompts without the keep-up pass)."""
     cfg = engine.cfg
     L = engine.max_seq_len  # >= 2 (EngineConfig): every path below fits prompt + max_tokens <= L
@@ -41,11 +44,11 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     # before them, one prompt split between two steps (its second chunk reads what the first cached). On the
     # kernel path only: there a kernel's first use at new sizes costs (the plain-torch path, on the CPU, would
     # only pay two steps' compute: 15 s more warmup for mini with dsv4-bench's defaults on 2 cores)
-    wave = max(1, min(chunk, L - 8))  # (room for decode rows that outlast a few steps)
+    wave = max(1, min(chunk, L - WAVE_OUT))  # (room for decode rows that outlast a few steps)
     mixed = _mixed_prompts(engine, wave, batch, lanes) if engine.runner.use_kernels else 0
     if mixed:
         paths.append((f"prompts in chunks of max_num_tokens beside decode rows ({mixed} x {wave} tokens)",
-                      [wave] * mixed, min(8, L - wave), False, None))
+                      [wave] * mixed, min(WAVE_OUT, L - wave), False, None))
     # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
     graphs = engine.runner.graphs
     for T in sorted({min(T, L - 2) for T in (graphs.prefill_tokens if graphs is not None else ())} - {chunk}):
@@ -76,7 +79,7 @@ def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
     than two requests fit the batch or the cache, or they would not need a second chunk)."""
     budget = engine.cfg.max_num_tokens
     tpb = engine.cache.layout.tokens_per_block
-    per_request = -(-(prompt + 8 + engine.draft_len) // tpb) + 1  # blocks, the draft lookahead included
+    per_request = -(-(prompt + WAVE_OUT + engine.draft_len) // tpb) + 1  # blocks, the draft lookahead included
     n = min(batch, lanes * (2 * -(-budget // prompt) + 1), engine.cache.num_free_blocks // per_request)
     return n if n >= 2 and n * prompt > lanes * budget else 0
 
