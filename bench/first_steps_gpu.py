@@ -39,6 +39,7 @@ from dsv4.config import get_preset
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine import warmup
 from dsv4.engine.spec_pause import DraftPause
+from dsv4.kernels.compiles import COMPILES
 
 KEEP_ROWS, MIXED = DraftPause.keep_rows, warmup._mixed_prompts
 SEED_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "mtp.yml"
@@ -99,6 +100,8 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     sync()
     trace = os.path.join(tempfile.mkdtemp(), "trace.json")
     calls = []
+    compiled_before = len(COMPILES.compiles)
+    t_run = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=stack) as prof:
         with record_function("run"):
             for p in prompts[:concurrency]:
@@ -110,6 +113,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
                     calls.append(((time.perf_counter() - t0) * 1e3, dict(eng.last_step),
                                   sum(len(o.outputs[0].token_ids) > 0 for o in outs)))
         sync()
+    compiled = COMPILES.since(compiled_before)
     prof.export_chrome_trace(trace)
     with open(trace) as f:
         ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
@@ -138,6 +142,8 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     gaps = [(a[1], b[0]) for a, b in zip(gpu, gpu[1:]) if b[0] - a[1] >= min_ms * 1e3 and a[1] < end]
     print(f"\nGPU idle gaps >= {min_ms} ms (from, length ms): "
           + ", ".join(f"{s / 1e3:.1f} +{(e - s) / 1e3:.1f}" for s, e in gaps[:20]))
+    print(f"Triton kernels compiled in these steps (at ms, ms, kernel): "
+          + (", ".join(f"{(c.at - t_run) * 1e3:.1f} {c.ms:.1f} {c.kernel}" for c in compiled) or "none"))
     print(f"Host calls that blocked >= {min_ms} ms (at ms, ms, call): "
           + ", ".join(f"{s / 1e3:.1f} {d / 1e3:.1f} {n}" for s, d, n in blocking[:30] if s < end))
     # where each call's host time went: the events of the thread that ran the steps, by self time

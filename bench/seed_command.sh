@@ -25,5 +25,5 @@ main()" --model flash-L4-E32 --model_path flash-L4-E32 throughput \
     --tp 1 --ep 1 --dataset /tmp/ds.jsonl --max_batch_size 64 --max_num_tokens 8192 --concurrency 32 \
     --num_requests 64 --kv_cache_free_gpu_mem_fraction 0.8 --config "$2" --device cuda --no_progress \
     --report_json "$OUT/report_$1.json" "${@:5}" 2>&1 \
-    | grep -i "output throughput\|drafting paused\|CUDA graphs\|Error\|Traceback" | head -5
+    | grep -i "output throughput\|drafting paused\|CUDA graphs\|Kernels compiled\|Error\|Traceback" | head -6
 }

@@ -179,6 +179,10 @@ def build_report(*, llm, settings, result: RunResult, model: str, model_path: st
             "num_preemptions": result.num_preemptions,
             # why the timed run ended before every request did (the report covers what finished), or None
             "stopped_early": result.rank_error or ("interrupted (SIGINT)" if result.interrupted else None),
+            # Triton kernels first compiled (or loaded from Triton's disk cache) during the timed run: paths
+            # warmup did not run, whose compile time the run paid
+            "kernels_compiled": [{"kernel": c.kernel, "ms": round(c.ms, 1), "specialization": c.specialization}
+                                 for c in result.compiles],
         },
         "performance": perf,
         "timing_note": ("token times are taken when each engine step returns, in both modes; --streaming was"
@@ -269,6 +273,11 @@ def format_report(rep: dict) -> str:
                   f"{_f(q['input_len'] and q['input_len']['avg'], '{:.1f}')} / "
                   f"{_f(q['output_len'] and q['output_len']['avg'], '{:.1f}')}"))
     L.append(_row("Engine steps / preemptions", f"{q['num_engine_steps']} / {q['num_preemptions']}"))
+    compiled = q.get("kernels_compiled") or []
+    if compiled:
+        L.append(_row("Kernels compiled during the run", f"{len(compiled)} ({sum(c['ms'] for c in compiled):.0f} ms,"
+                      " paid by the run: paths warmup did not run): "
+                      + ", ".join(sorted({c["kernel"] for c in compiled}))))
     L += _banner("PERFORMANCE OVERVIEW")
     L.append(_row("Request throughput (req/sec)", _f(p["request_throughput_req_s"])))
     L.append(_row("Total output throughput (tokens/sec)", _f(p["output_throughput_tok_s"])))

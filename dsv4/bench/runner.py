@@ -22,6 +22,7 @@ from typing import IO
 
 from ..engine.engine import RequestError
 from ..engine.sampling_params import SamplingParams
+from ..kernels.compiles import COMPILES
 from ..parallel.comm import RankError
 from .dataset import DatasetRequest
 
@@ -62,6 +63,7 @@ class RunResult:
     num_warmup: int
     interrupted: bool = False  # SIGINT stopped the timed run: the records hold what finished before it
     rank_error: str | None = None  # a rank failed and stopped the timed run (its error); likewise
+    compiles: list = field(default_factory=list)  # Triton kernels compiled during the timed run (Compile)
 
 
 def _spec_counts(engine) -> dict:
@@ -173,6 +175,7 @@ def run_benchmark(llm, requests: list[DatasetRequest], *, concurrency: int = -1,
                              output_tokens=r.output_tokens) for i, r in enumerate(requests)]
     spec_before = _spec_counts(engine)
     stats_before = engine.get_stats()
+    compiled_before = len(COMPILES.compiles)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -199,7 +202,8 @@ def run_benchmark(llm, requests: list[DatasetRequest], *, concurrency: int = -1,
                      num_steps=stats_after["num_steps"] - stats_before["num_steps"],
                      num_preemptions=stats_after["num_preemptions"] - stats_before["num_preemptions"],
                      spec=_spec_delta(spec_before, _spec_counts(engine)) if engine.draft_len else None,
-                     num_warmup=max(warmup, 0), interrupted=interrupted, rank_error=rank_error)
+                     num_warmup=max(warmup, 0), interrupted=interrupted, rank_error=rank_error,
+                     compiles=COMPILES.since(compiled_before))
 
 
 def _stop_run(engine, records: list[RequestRecord], why: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from ..kernels.compiles import COMPILES
 from .sampling_params import SamplingParams
 from .spec_pause import DraftPause
 
@@ -85,10 +86,11 @@ def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
 
 
 def run_warmup(engine) -> list[str]:
-    """Run every path; the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
+    """Run every path (a Triton kernel that compiles after them is logged: ``dsv4.kernels.compiles``); the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
     both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
     request (the separate graphs, keyed draws verified on the device)."""
     done = []
+    COMPILES.quiet()  # (compiles are what warmup is for)
     for name, prompt_lens, max_tokens, with_sampled, pause in warmup_paths(engine):
         ids = []
         policy = engine.pause
@@ -130,4 +132,5 @@ def run_warmup(engine) -> list[str]:
     if engine.cache.num_free_slots != engine.cache.num_slots:
         raise WarmupError("warmup left cache slots allocated; the cache leaks")
     engine.reset_stats()  # what users see starts after warmup
+    COMPILES.mark()  # a Triton kernel compiled from now on is a path warmup missed: logged as a warning
     return done
