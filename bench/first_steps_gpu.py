@@ -142,7 +142,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     gaps = [(a[1], b[0]) for a, b in zip(gpu, gpu[1:]) if b[0] - a[1] >= min_ms * 1e3 and a[1] < end]
     print(f"\nGPU idle gaps >= {min_ms} ms (from, length ms): "
           + ", ".join(f"{s / 1e3:.1f} +{(e - s) / 1e3:.1f}" for s, e in gaps[:20]))
-    print(f"Triton kernels compiled in these steps (at ms, ms, kernel): "
+    print("Triton kernels compiled in these steps (at ms, ms, kernel): "
           + (", ".join(f"{(c.at - t_run) * 1e3:.1f} {c.ms:.1f} {c.kernel}" for c in compiled) or "none"))
     print(f"Host calls that blocked >= {min_ms} ms (at ms, ms, call): "
           + ", ".join(f"{s / 1e3:.1f} {d / 1e3:.1f} {n}" for s, d, n in blocking[:30] if s < end))
