@@ -14,7 +14,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${1:-all}" = 3 ]; then
-  timeout 300 python3 -m pytest -q tests/test_engine_cuda.py -k "far_from_a_probe or kept_rows or warmup or pause" \
+  timeout 300 python3 -m pytest -q tests/test_compiles.py tests/test_engine_cuda.py -k "far_from_a_probe or kept_rows or warmup or pause or compile" \
     2>&1 | tail -5
   exit
 fi
