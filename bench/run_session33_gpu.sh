@@ -8,7 +8,7 @@
 #     keep the rows the probe will read), and MTP keeping each prompt's last swa_cap rows (as before this
 #     session); then the seed's command (dsv4-bench with its iteration log): off / MTP / MTP keeping the last
 #     swa_cap rows / off / MTP, as many as BUDGET seconds (default 470) allow. RUNS and FIRST_S choose the
-#     profiled runs and their time limit.
+#     profiled runs and their time limit, SEED the seed-command runs (off*, mtp*, full*).
 #   bash bench/run_session33_gpu.sh 3: the CUDA twins of the pause's paths (far from a probe, near one, warmup's).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -27,9 +27,8 @@ grep "^| step\|^###" "$OUT/first_steps.txt" | head -40
 seed_prepare
 FULL="K = DraftPause.keep_rows; DraftPause.keep_rows = lambda self, m: m if K(self, m) > 0 else 0"
 runs=()
-for r in "off1 /tmp/nomtp.yml" "mtp1 examples/mtp.yml" "full1 examples/mtp.yml" "off2 /tmp/nomtp.yml" \
-         "mtp2 examples/mtp.yml"; do
-  set -- $r
+for r in ${SEED:-off1 mtp1 full1 off2 mtp2}; do
+  case $r in off*) set -- $r /tmp/nomtp.yml ;; *) set -- $r examples/mtp.yml ;; esac
   [ $((END - SECONDS)) -lt 50 ] && break
   if [ "${1%?}" = full ]; then pre="$FULL"; else pre=""; fi
   seed_run "$1" "$2" "$pre" 50 --iteration_log "$OUT/it_$1.jsonl"
