@@ -2,7 +2,9 @@
 warmup requests, run through the same loop), MTP off against the seed's MTP, under torch.profiler. For each step:
 the host's time in ``engine.step()``, the GPU's busy time inside that call, and every host call that blocked
 for more than ``--min-ms`` (synchronisations, blocking copies, allocations, module loads), every GPU idle gap that long, with its time from the run's start, and the host functions of each call with the longest
-self time (summed by name) (``--stack``: Python functions too): where TTFT goes before the first tokens come back.
+self time (summed by name) (``--stack``: Python functions too), the caching allocator's cudaMalloc / cudaFree /
+retries in each call, and the Triton kernels compiled in these steps: where TTFT goes before the first tokens
+come back.
 
     python3 first_steps_gpu.py --runs off mtp off mtp [--steps 6]
 
@@ -54,6 +56,18 @@ def busy(intervals):
         else:
             out.append([s, e])
     return out
+
+
+ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def alloc_counts(cuda: bool) -> list[int]:
+    """The caching allocator's counters (CUDA): cudaMalloc and cudaFree calls, allocations retried after
+    freeing the cache (a cudaFree synchronises the device), synchronisations of every stream."""
+    if not cuda:
+        return [0] * len(ALLOC_KEYS)
+    stats = torch.cuda.memory_stats()
+    return [stats.get(k, 0) for k in ALLOC_KEYS]
 
 
 def self_times(events) -> list[tuple[float, float, str]]:
@@ -108,10 +122,12 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
                 eng.add_request(p, sp)
             for i in range(steps):
                 with record_function(f"step{i + 1}"):
+                    m0 = alloc_counts(cuda)
                     t0 = time.perf_counter()
                     outs = eng.step()
                     calls.append(((time.perf_counter() - t0) * 1e3, dict(eng.last_step),
-                                  sum(len(o.outputs[0].token_ids) > 0 for o in outs)))
+                                  sum(len(o.outputs[0].token_ids) > 0 for o in outs),
+                                  [b - a for a, b in zip(m0, alloc_counts(cuda))]))
         sync()
     compiled = COMPILES.since(compiled_before)
     prof.export_chrome_trace(trace)
@@ -132,12 +148,12 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
                       if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["dur"] >= min_ms * 1e3)
     print(f"\n### {label} (pause at the start: {pause})\n")
     print("| step | host ms | rows (seqs/tokens/context) | requests with tokens read | GPU busy ms in the call |"
-          " from ms | to ms |")
-    print("|---|---|---|---|---|---|---|")
-    for (s, e, name), (ms, last, n_out) in zip(ranges, calls):
+          " from ms | to ms | allocator: cudaMalloc / cudaFree / retries / syncs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (s, e, name), (ms, last, n_out, allocs) in zip(ranges, calls):
         b = sum(max(0.0, min(e, be) - max(s, bs)) for bs, be in gpu)
         print(f"| {name} | {ms:.1f} | {last.get('num_seqs')}/{last.get('num_tokens')}/{last.get('num_context')} |"
-              f" {n_out} | {b / 1e3:.1f} | {s / 1e3:.1f} | {e / 1e3:.1f} |")
+              f" {n_out} | {b / 1e3:.1f} | {s / 1e3:.1f} | {e / 1e3:.1f} | {' / '.join(map(str, allocs))} |")
     end = ranges[-1][1] if ranges else 0
     gaps = [(a[1], b[0]) for a, b in zip(gpu, gpu[1:]) if b[0] - a[1] >= min_ms * 1e3 and a[1] < end]
     print(f"\nGPU idle gaps >= {min_ms} ms (from, length ms): "
