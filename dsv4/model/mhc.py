@@ -12,7 +12,7 @@ import torch
 from ..kernels import mhc as kernel
 from ..kernels.side_stream import join, side_stream
 from .ops import rms_norm
-from .rows import linear
+from .rows import linear, row_chunks
 
 # With MHC_OVERLAP the Sinkhorn of each collapse (kernels.mhc._sinkhorn: 2 x 20 dependent normalisations of the
 # 4 x 4 comb, one warp, latency only) runs on the side stream while a CUDA graph is captured, beside the sub-block
@@ -43,6 +43,10 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
         u, post, comb = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
                                       side_stream(X, MHC_OVERLAP), inside)
         return _normed(u, after, norm_eps), post, comb
+    return row_chunks(X, lambda X: _hc_pre_torch(X, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight))
+
+
+def _hc_pre_torch(X, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight):
     n = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)  # [N, (2+n)n]
     base, scale = base.float(), scale.float()
@@ -90,6 +94,9 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
         inside, after = _norm_split(norm_weight)
         return _normed(kernel.hc_head(X, fn, base, scale, eps, norm_eps, inside), after, norm_eps)
-    m = _mix_logits(X, fn, norm_eps)  # [N, n]
-    pre = torch.sigmoid(scale.float()[0] * m + base.float()) + eps
-    return _normed(torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype), norm_weight, norm_eps)
+
+    def head(X):
+        m = _mix_logits(X, fn, norm_eps)  # [N, n]
+        pre = torch.sigmoid(scale.float()[0] * m + base.float()) + eps
+        return _normed(torch.einsum("nj,njd->nd", pre, X.float()).to(X.dtype), norm_weight, norm_eps)
+    return row_chunks(X, head)

@@ -96,8 +96,10 @@ class Experts(StackedExperts):
                 seg = slice(start, start + c)
                 # routing weight before w2, as DeepSeek does
                 w1, w2, w3 = self.expert_weights(e, x.dtype)
-                h = swiglu_to(xs[seg] @ w1.t(), xs[seg] @ w3.t(), self.limit, ws[seg, 0], x.dtype)
-                out[seg] = (h @ w2.t()).float()
+                # (``linear``: in fixed row chunks under batch invariance, so an expert's rows do not round
+                # with how many rows it got)
+                h = swiglu_to(linear(xs[seg], w1), linear(xs[seg], w3), self.limit, ws[seg, 0], x.dtype)
+                out[seg] = linear(h, w2).float()
                 start += c
         y = torch.empty_like(out)
         y[order] = out

@@ -41,13 +41,26 @@ def active() -> bool:
     return _fixed.get() is not None
 
 
-def _chunked(x: torch.Tensor, rows: int, fn) -> torch.Tensor:
-    """``fn`` over ``x``'s leading dim in chunks of exactly ``rows`` (zero-padded), results concatenated."""
+def _chunked(x: torch.Tensor, rows: int, fn):
+    """``fn`` over ``x``'s leading dim in chunks of exactly ``rows`` (zero-padded), results concatenated (each of
+    them where ``fn`` returns a tuple)."""
     M = x.shape[0]
     pad = -M % rows
     if pad or M == 0:
         x = torch.cat([x, x.new_zeros(pad or rows, *x.shape[1:])])
-    return torch.cat([fn(c) for c in x.split(rows)])[:M]
+    outs = [fn(c) for c in x.split(rows)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts)[:M] for parts in zip(*outs))
+    return torch.cat(outs)[:M]
+
+
+def row_chunks(x: torch.Tensor, fn):
+    """``fn(x)``; under ``fixed_rows``, ``fn`` over chunks of exactly that many rows (zero-padded), for row-wise
+    torch code that is not a product: ATen's CPU elementwise loops run whole SIMD vectors and finish a tensor's
+    last few elements with scalar code, whose exp or sigmoid can round differently (seen on an AVX2 machine), so
+    a row's result would depend on where it sits in the batch. Chunks of ``ROWS`` rows have whole vectors only."""
+    rows = _fixed.get()
+    return fn(x) if rows is None else _chunked(x, rows, fn)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
