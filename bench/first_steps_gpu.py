@@ -99,9 +99,12 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     L = max(len(p) for p in prompts)
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t_build = time.perf_counter()
     llm = LLM(preset, device=device, dtype="bf16" if cuda else "fp32", max_batch_size=64, max_num_tokens=8192, max_seq_len=L + gen + 8,
               **settings)
     eng = llm.engine
+    t_build = time.perf_counter() - t_build
+    free = torch.cuda.mem_get_info()[0] / 2 ** 30 if cuda else 0.0
     reqs = [DatasetRequest(task_id=i, output_tokens=gen, line=i + 1, input_ids=p) for i, p in enumerate(prompts)]
     _drive(eng, reqs[:2], None, concurrency, prefix="__warm_")  # dsv4-bench's --warmup 2
     if label == "mtp-far" and eng.pause is not None:
@@ -146,7 +149,8 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
     # that loads its module first)
     blocking = sorted((e["ts"] - t0, e["dur"], e["name"]) for e in ev
                       if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["dur"] >= min_ms * 1e3)
-    print(f"\n### {label} (pause at the start: {pause})\n")
+    print(f"\n### {label} (pause at the start: {pause}; CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING')};"
+          f" LLM built and warmed up in {t_build:.1f} s, {free:.1f} GiB free after)\n")
     print("| step | host ms | rows (seqs/tokens/context) | requests with tokens read | GPU busy ms in the call |"
           " from ms | to ms | allocator: cudaMalloc / cudaFree / retries / syncs |")
     print("|---|---|---|---|---|---|---|---|")

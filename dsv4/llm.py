@@ -24,6 +24,7 @@ from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.resolved import dtype_name, resolve, resolve_dtype
 from .engine.sampling_params import SamplingParams, is_int
 from .engine.warmup import run_warmup
+from .kernels.compiles import COMPILES
 from .model.expert_weights import check_fp4_shapes
 from .model.loader import load_model, model_config
 from .parallel.mapping import ParallelMapping
@@ -107,6 +108,7 @@ class LLM:
             raise
 
     def _build(self, model: str, cfg: EngineConfig, device: str, torch_dtype, with_mtp, warmup: bool):
+        COMPILES.quiet()  # (compiles expected until warmup's end: the graphs' capture, warmup's paths)
         try:
             if self.mapping.world_size == 1:
                 self.model = load_model(model, device=device, dtype=torch_dtype, with_mtp=with_mtp, seed=cfg.seed,

@@ -54,6 +54,8 @@ def test_compiles_after_the_mark_are_recorded_and_logged(fake_triton, caplog):
     assert w.install() and len(w.compiles) == 3  # installed once: a second install adds no second hook
     compile_("_again", "d")
     assert len(w.compiles) == 4 and seen[-1] == "d"
+    compile_("_x.<locals>.nested_kernel", "e")  # Triton names a nested function by its qualified name
+    assert w.compiles[-1].kernel == "nested_kernel"
 
 
 def test_without_triton_nothing_is_watched(monkeypatch):

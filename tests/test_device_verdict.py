@@ -99,6 +99,23 @@ def test_device_acceptance_and_draft_inputs_equal_the_host_twins(seed):
     assert dev.active == host.active
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_next_tokens_are_each_rows_token_at(seed):
+    """``runner._next_tokens`` (list slices) against the definition row by row: the token after each position,
+    pending ones as PENDING, 0 past the request's length (chunks reaching past it, starting past it)."""
+    from dsv4.engine.runner import _next_tokens
+
+    rng = random.Random(seed)
+    req = Request("r", [rng.randrange(V) for _ in range(rng.randint(1, 9))], SamplingParams(max_tokens=8))
+    req.output_ids = [rng.randrange(V) for _ in range(rng.randint(0, 4))]
+    req.num_pending = rng.randint(0, 2)
+    L = req.num_tokens
+    for C in range(L + 2):
+        for n in range(0, L - C + 4):
+            want = [req.token_at(C + i + 1) if C + i + 1 < L else 0 for i in range(n)]
+            assert _next_tokens(req, C, n) == want, (C, n)
+
+
 SAMPLED = (1, 9)  # the sampled requests of a mixed workload
 
 

@@ -67,15 +67,18 @@ def draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], num_
     this step's emission (rows past the accepted ones get 0: their writes are rolled back)."""
     next_ids, picks, start = [], [], 0
     for b, s in enumerate(seqs):
-        req, C = s.request, num_computed[b]
-        L = req.num_tokens
-        for i in range(s.num_new):
-            p = C + i
-            next_ids.append(req.token_at(p + 1) if p + 1 < L else 0)
+        next_ids += _next_tokens(s.request, num_computed[b], s.num_new)
         picks.append(start + num_accepted[b] - 1)
         start += s.num_new
     return DraftInputs(tuple(next_ids), tuple(picks), tuple(C + a for C, a in zip(num_computed, num_accepted)),
                        tuple(b for b in range(len(seqs)) if drafting[b]))
+
+
+def _next_tokens(req, C: int, n: int) -> list[int]:
+    """The token after each of positions C .. C+n-1 of ``req``, 0 past its length (pending ones as PENDING)."""
+    stop = max(C + 1, min(C + 1 + n, req.num_tokens))
+    out = list(req.token_range(C + 1, stop))
+    return out + [0] * (n - len(out))
 
 
 def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int], verdict: DeviceVerdict,
@@ -88,16 +91,12 @@ def device_draft_inputs(seqs: Sequence[ScheduledSeq], num_computed: Sequence[int
     so the host's C is read only for rows that are not)."""
     base, vrow = [], []  # per step row: the host's next token; its row in verdict.target_ids (-1: not a verify row)
     seq_of, first_v, starts, r, start = [], [], [], 0, 0
-    for b, s in enumerate(seqs):
-        req, C = s.request, num_computed[b]
-        nv = verdict.rows_per_seq[b]
-        L = req.num_tokens
-        for i in range(s.num_new):
-            v = i - (s.num_new - nv)
-            base.append(req.token_at(C + i + 1) if v < 0 and C + i + 1 < L else 0)
-            vrow.append(r + v if v >= 0 else -1)
-            first_v.append(r)
-            seq_of.append(b)
+    for b, s in enumerate(seqs):  # (list slices, not a loop over rows: a prompt chunk has thousands)
+        n, nv = s.num_new, verdict.rows_per_seq[b]
+        base += _next_tokens(s.request, num_computed[b], n - nv) + [0] * nv
+        vrow += [-1] * (n - nv) + list(range(r, r + nv))
+        first_v += [r] * n
+        seq_of += [b] * n
         r += nv
         starts.append(start)
         start += s.num_new

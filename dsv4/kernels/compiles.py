@@ -46,8 +46,8 @@ class CompileWatch:
 
         def on_cache_miss(**kw):
             fn = kw.get("fn")
-            self._started[str(kw.get("key"))] = (time.perf_counter(), getattr(fn, "name", str(fn)),
-                                                 str(kw.get("repr", "")))
+            name = str(getattr(fn, "name", fn)).rsplit(".", 1)[-1]  # (a nested function's: its qualified name)
+            self._started[str(kw.get("key"))] = (time.perf_counter(), name, str(kw.get("repr", "")))
             return before(**kw) if before is not None else None
 
         def on_compiled(**kw):
@@ -74,7 +74,8 @@ class CompileWatch:
         return self._warn_from
 
     def quiet(self) -> None:
-        """Compiles are expected (a warmup starts): stop warning until the next ``mark``."""
+        """Compiles are expected (an engine is built: its graphs captured, its warmup run): stop warning until
+        the next ``mark``."""
         self.install()
         self._warn_from = None
 
