@@ -19,7 +19,7 @@ first() {  # first_steps_gpu.py: $1 the loading mode, then the runs
   echo "($((SECONDS - START)) s)"
 }
 first LAZY mtp
-first EAGER off-nowave mtp
+first EAGER ${EAGER_RUNS:-off-nowave mtp}
 . bench/seed_command.sh
 seed_prepare
 runs=()
