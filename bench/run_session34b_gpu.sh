@@ -22,12 +22,5 @@ first LAZY mtp
 first EAGER ${EAGER_RUNS:-off-nowave mtp}
 . bench/seed_command.sh
 seed_prepare
-runs=()
-for r in ${SEED:-mtp1 off1 mtp2 off2 mtp3 off3}; do
-  case $r in off*) set -- $r /tmp/nomtp.yml ;; *) set -- $r examples/mtp.yml ;; esac
-  [ $((END - SECONDS)) -lt 40 ] && break
-  seed_run "$1" "$2" "" 50 --iteration_log "$OUT/it_$1.jsonl"
-  runs+=("$1=$OUT/it_$1.jsonl")
-done
-[ ${#runs[@]} -gt 0 ] && python3 bench/iteration_steps.py "${runs[@]}" --first 6 2>&1 | tail -9
+seed_runs $END 50 ${SEED:-mtp1 off1 mtp2 off2 mtp3 off3}
 echo "total: $((SECONDS - START)) s"

@@ -9,14 +9,7 @@ START=$SECONDS
 END=$((SECONDS + ${BUDGET:-230}))
 . bench/seed_command.sh
 seed_prepare
-runs=()
-for r in ${SEED:-mtp1 off1 mtp2 off2}; do
-  case $r in off*) set -- $r /tmp/nomtp.yml ;; *) set -- $r examples/mtp.yml ;; esac
-  [ $((END - SECONDS)) -lt 30 ] && break
-  seed_run "$1" "$2" "" 120 --iteration_log "$OUT/it_$1.jsonl"
-  runs+=("$1=$OUT/it_$1.jsonl")
-done
-[ ${#runs[@]} -gt 0 ] && python3 bench/iteration_steps.py "${runs[@]}" --first 6 2>&1 | tail -7
+seed_runs $END 120 ${SEED:-mtp1 off1 mtp2 off2}
 for mode in LAZY EAGER; do
   [ $((END - SECONDS)) -lt 45 ] && break
   (cd bench && CUDA_MODULE_LOADING=$mode timeout $((END - SECONDS)) python3 first_steps_gpu.py --runs mtp --steps 6 \

@@ -27,3 +27,19 @@ main()" --model flash-L4-E32 --model_path flash-L4-E32 throughput \
     --report_json "$OUT/report_$1.json" "${@:5}" 2>&1 \
     | grep -i "output throughput\|drafting paused\|CUDA graphs\|Kernels compiled\|Error\|Traceback" | head -6
 }
+
+# seed_runs END TIMEOUT LABEL...: seed_run for each label (off*: without speculative_config, else the seed's
+# mtp.yml) with its iteration log, while 30 s or more are left before END (a $SECONDS value); then the table of
+# their steps (bench/iteration_steps.py).
+seed_runs() {
+  local end=$1 limit=$2 r cfg
+  shift 2
+  local runs=()
+  for r in "$@"; do
+    case $r in off*) cfg=/tmp/nomtp.yml ;; *) cfg=examples/mtp.yml ;; esac
+    [ $((end - SECONDS)) -lt 30 ] && break
+    seed_run "$r" "$cfg" "" "$limit" --iteration_log "$OUT/it_$r.jsonl"
+    runs+=("$r=$OUT/it_$r.jsonl")
+  done
+  [ ${#runs[@]} -gt 0 ] && python3 bench/iteration_steps.py "${runs[@]}" --first 6 2>&1 | tail -9
+}
