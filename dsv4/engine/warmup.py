@@ -86,9 +86,10 @@ def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
 
 
 def run_warmup(engine) -> list[str]:
-    """Run every path (a Triton kernel that compiles after them is logged: ``dsv4.kernels.compiles``); the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
-    both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
-    request (the separate graphs, keyed draws verified on the device)."""
+    """Run every path (a Triton kernel that compiles after them is logged: ``dsv4.kernels.compiles``); the MTP
+    path's greedy batch is followed by one sampled request of a few tokens, so that both MTP step kinds run:
+    greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled request (the separate graphs,
+    keyed draws verified on the device)."""
     done = []
     COMPILES.quiet()  # (compiles are what warmup is for)
     for name, prompt_lens, max_tokens, with_sampled, pause in warmup_paths(engine):

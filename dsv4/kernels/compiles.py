@@ -6,7 +6,7 @@ cache on disk (tens to hundreds of ms), with every request in that step waiting.
 ``jit_post_compile_hook`` after, chained to any hooks already set): the kernel's name, its specialization and
 how long it took. Warmup marks its end (``mark``); ``since`` lists what compiled after the mark, and each of
 those is logged as a warning naming the kernel, so a path warmup misses shows up in the log and in
-``Engine.get_stats()`` rather than as an unexplained slow step. Without Triton (the CPU machines) nothing is
+dsv4-bench's report (``kernels_compiled``) rather than as an unexplained slow step. Without Triton (the CPU machines) nothing is
 watched and the lists stay empty. Under multi-device runs it watches this process's rank only.
 """
 
