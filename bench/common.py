@@ -131,3 +131,9 @@ def report(title: str, text: str, append: str | None, notes: str = ""):
     os.makedirs(os.path.dirname(os.path.abspath(append)), exist_ok=True)
     with open(append, "a") as f:
         f.write(entry)
+
+
+def keep_whole_span(keep_rows):
+    """A ``DraftPause.keep_rows`` that keeps the MTP ring's whole span wherever ``keep_rows`` keeps any row: the
+    keep-up rule before the thirty-third session, for A/B runs against the current one."""
+    return lambda self, margin: margin if keep_rows(self, margin) > 0 else 0

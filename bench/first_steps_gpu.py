@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from common import keep_whole_span
+
 from dsv4 import LLM, SamplingParams
 from dsv4.bench.options import load_yaml
 from dsv4.bench.runner import _drive
@@ -90,8 +92,7 @@ def run(label: str, prompts, gen: int, concurrency: int, preset: str, steps: int
         stack: bool = False):
     ModelRunner.mtp_tail_rows = label != "mtp-all-rows"
     ModelRunner.mtp_rows_padded = label != "mtp-unpadded"
-    DraftPause.keep_rows = (lambda self, margin: margin if KEEP_ROWS(self, margin) > 0 else 0) \
-        if label == "mtp-full-keep" else KEEP_ROWS
+    DraftPause.keep_rows = keep_whole_span(KEEP_ROWS) if label == "mtp-full-keep" else KEEP_ROWS
     warmup._mixed_prompts = (lambda *a: 0) if label == "off-nowave" else MIXED
     settings = load_yaml(str(SEED_CONFIG))
     if label in ("off", "off-nowave"):

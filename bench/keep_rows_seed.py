@@ -18,6 +18,7 @@ import argparse
 import random
 from pathlib import Path
 
+from common import keep_whole_span
 from dsv4 import LLM, config
 from dsv4.bench.dataset import DatasetRequest
 from dsv4.bench.options import load_yaml
@@ -30,8 +31,7 @@ KEEP_ROWS = DraftPause.keep_rows
 
 
 def run(rule: str, reqs: list[DatasetRequest], concurrency: int):
-    DraftPause.keep_rows = KEEP_ROWS if rule == "partial" else \
-        (lambda self, margin: margin if KEEP_ROWS(self, margin) > 0 else 0)
+    DraftPause.keep_rows = KEEP_ROWS if rule == "partial" else keep_whole_span(KEEP_ROWS)
     config.PRESETS["tiny-w128"] = lambda: config.get_preset("tiny").replace(window_size=128)
     L = max(len(r.input_ids) + r.output_tokens for r in reqs)
     llm = LLM("tiny-w128", max_batch_size=64, max_num_tokens=8192, max_seq_len=L, **load_yaml(str(SEED_CONFIG)))

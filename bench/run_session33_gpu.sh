@@ -25,7 +25,7 @@ END=$((SECONDS + ${BUDGET:-470}))
 grep "^| step\|^###" "$OUT/first_steps.txt" | head -40
 . bench/seed_command.sh
 seed_prepare
-FULL="K = DraftPause.keep_rows; DraftPause.keep_rows = lambda self, m: m if K(self, m) > 0 else 0"
+FULL="from bench.common import keep_whole_span; DraftPause.keep_rows = keep_whole_span(DraftPause.keep_rows)"
 runs=()
 for r in ${SEED:-off1 mtp1 full1 off2 mtp2}; do
   case $r in off*) set -- $r /tmp/nomtp.yml ;; *) set -- $r examples/mtp.yml ;; esac

@@ -86,12 +86,12 @@ def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
 
 
 def run_warmup(engine) -> list[str]:
-    """Run every path (a Triton kernel that compiles after them is logged: ``dsv4.kernels.compiles``); the MTP
-    path's greedy batch is followed by one sampled request of a few tokens, so that both MTP step kinds run:
-    greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled request (the separate graphs,
-    keyed draws verified on the device)."""
+    """Run every path; the MTP path's greedy batch is followed by one sampled request of a few tokens, so that
+    both MTP step kinds run: greedy steps (with CUDA graphs, the whole-step graph) and steps with a sampled
+    request (the separate graphs, keyed draws verified on the device). Its end marks where Triton compiles start
+    to be logged as paths warmup missed (``dsv4.kernels.compiles``; quiet from the engine's build on,
+    ``LLM._build``)."""
     done = []
-    COMPILES.quiet()  # (compiles are what warmup is for)
     for name, prompt_lens, max_tokens, with_sampled, pause in warmup_paths(engine):
         ids = []
         policy = engine.pause
