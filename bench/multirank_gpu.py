@@ -4,7 +4,8 @@
 
 Prints one table row: mapping, MTP, CUDA graphs, whether steps overlapped (the overlap scheduler; with several
 ranks steps without MTP only), graph replays on the driver, requests, tokens identical to one process, first
-divergence, seconds. A hang is bounded by the caller's ``timeout``; with
+divergence, seconds; with MTP, the drafting pause's counters (random weights: paused after a few steps; a probe
+every 32 paused steps, so ``--max-tokens`` above 40 or so sees one) and the keep-up buckets' replays. A hang is bounded by the caller's ``timeout``; with
 ``DSV4_DUMP_STACKS_S`` set every rank prints its Python stacks first (see dsv4/parallel/comm.py).
 """
 
@@ -61,6 +62,8 @@ def main():
         replays = g.num_replays if g is not None else 0
         overlapped = llm.engine.overlaps_steps
         notes = llm.notes
+        pause = llm.get_stats().get("speculative", {}).get("pause")
+        keep = getattr(llm.engine.runner, "keep_graphs", None)
     same = sum(o == r for o, r in zip(outs, ref))
     firsts = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), None) for o, r in zip(outs, ref)]
     first = min((f for f in firsts if f is not None), default=None)
@@ -69,6 +72,8 @@ def main():
           f" {first if first is not None else '-'} | start {t1 - t0:.0f} s, generate {t2 - t1:.1f} s |")
     for n in notes:
         print("note:", n)
+    if pause is not None:  # drafting paused (random weights: drafts rejected), the one-row buckets replayed
+        print(f"pause: {pause}; keep-up bucket replays on the driver: {keep.num_replays if keep else None}")
 
 
 if __name__ == "__main__":

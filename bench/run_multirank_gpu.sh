@@ -3,7 +3,7 @@
 # across ranks included. A cell that runs past CELL_TIMEOUT stops the loop (every rank has printed its
 # Python stacks by then: DSV4_DUMP_STACKS_S).
 #   bash bench/run_multirank_gpu.sh "tp2+ep2 0 off" "tp2+ep2 2 on" "tp2+ep2 0 on off" ...
-#   (mode, draft length, graphs[, overlap: default on])
+#   (mode, draft length, graphs[, overlap: default on]); CELL_ARGS: more multirank_gpu.py flags for every cell
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export DSV4_DUMP_STACKS_S=${DSV4_DUMP_STACKS_S:-75} DSV4_DIST_TIMEOUT_S=${DSV4_DIST_TIMEOUT_S:-90}
@@ -13,9 +13,9 @@ echo "|---|---|---|---|---|---|---|---|---|"
 for cell in "$@"; do
   set -- $cell
   timeout -k 5 $CELL_TIMEOUT python3 bench/multirank_gpu.py --model ${M:-tiny} --dtype ${DTYPE:-fp32} \
-    --mode $1 --mtp $2 --graphs $3 --overlap ${4:-on} > /tmp/cell.log 2>&1
+    --mode $1 --mtp $2 --graphs $3 --overlap ${4:-on} ${CELL_ARGS:-} > /tmp/cell.log 2>&1
   rc=$?
-  grep "^|" /tmp/cell.log || { echo "cell '$cell' rc=$rc:"; grep -v Warning /tmp/cell.log | tail -${TAIL:-120}; }
+  grep "^|\|^pause:" /tmp/cell.log || { echo "cell '$cell' rc=$rc:"; grep -v Warning /tmp/cell.log | tail -${TAIL:-120}; }
   [ $rc = 124 ] && { echo "cell '$cell' timed out after $CELL_TIMEOUT s; stopping"; break; }
 done
 if [ -n "${FAIL_AT:-}" ]; then  # e.g. FAIL_AT=1:forward:30 -> rank 1 raises in its 30th forward (graphs on)

@@ -28,8 +28,9 @@ from dsv4.engine.proposer import rewrite_drafts
 from dsv4.engine.request import Request
 from dsv4.engine.sampling_params import SamplingParams as SP
 from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.spec_pause import DraftPause
 from dsv4.parallel.comm import RankError
-from dsv4.parallel.executor import ForwardMsg
+from dsv4.parallel.executor import ForwardMsg, ProposeMsg
 from dsv4.parallel.lanes import DataParallelScheduler, LaneCaches
 from dsv4.parallel.mapping import ParallelMapping
 from dsv4.parallel.shard import shard_state_dict
@@ -104,8 +105,9 @@ def test_matrix_token_identical(ckpt, prompts, single, mode, mtp):
     try:
         par = llm.get_stats()["parallel"]
         assert par["world_size"] == 2 and par["attention_dp"] == ("adp" in mode)
-        # warmup ran every path on both ranks (with MTP, not under attention DP: the kept-rows passes too)
-        assert len(llm.warmup_paths) == ((3 + ("adp" not in mode)) if mtp else 2)
+        # warmup ran every path on both ranks (with MTP, not under attention DP: the three paths with drafting
+        # paused and the kept-rows passes too)
+        assert len(llm.warmup_paths) == ((3 + 4 * ("adp" not in mode)) if mtp else 2)
         cache = llm.engine.cache
         assert cache.num_free_slots == cache.num_slots and cache.num_free_blocks == cache.num_blocks
         proposals = {}
@@ -184,6 +186,78 @@ def test_overlapped_mtp_steps_on_every_rank_equal_the_synchronous_ones(ckpt, pro
         finally:
             llm.shutdown()
     assert runs[0] == runs[1] and 0 < runs[0][1] < 1
+
+
+PAUSE_OUT = 40  # tokens each request of the pause test generates: pauses, several probes and a resume
+RIGHT_FROM = 12  # the step from which the rewritten drafts are right
+
+
+def _paused_run(llm, prompts, answers, probe_every):
+    """The MTP layer's drafts rewritten to wrong ones until step RIGHT_FROM, to the known answer after: drafting
+    pauses (steps of one row a request, the MTP layer's keep-up passes), probes every ``probe_every`` paused
+    steps and resumes at the first probe after the switch. -> (tokens, the MTP layer's own proposals keyed by
+    (prompt, position), the pause's counters)."""
+    eng = llm.engine
+    assert eng.pause is not None  # (on by default: pause_below_acceptance 0.3)
+    eng.pause = DraftPause(0.5, window=2, probe_every=probe_every)
+    proposals = {}
+
+    def override(req, drafts):
+        done = len(req.output_ids)
+        proposals[(tuple(req.prompt_ids), done)] = list(drafts)
+        answer = answers[tuple(req.prompt_ids)]
+        truth = [answer[done + j] if done + j < len(answer) else d for j, d in enumerate(drafts)]
+        return truth if eng.num_steps >= RIGHT_FROM else [(t + 1) % 256 for t in truth]
+
+    rewrite_drafts(eng, override)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=PAUSE_OUT, ignore_eos=True)) for p in prompts]
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [eng.requests[r].output_ids for r in rids], proposals, eng.pause.as_dict()
+
+
+@pytest.mark.parametrize("mode,graphs", [("tp2", False), ("tp2+ep2", True)])
+def test_drafting_pauses_on_every_rank(ckpt, prompts, mode, graphs, monkeypatch):
+    """Drafting paused on several ranks that share one plan (the driver's DraftPause; each plan tells the ranks
+    whether the step keeps the MTP layer's ring up, and how many rows a request): MTP off's tokens through
+    pauses, probes and a resume, and the MTP layer's own proposals equal one process's under the same schedule
+    (so every rank's ring rows, written by keep-up passes while paused, are right: under TP each rank's heads
+    read its own ring). Paused steps far from a probe leave the ring on every rank and send no propose
+    message; those near one keep each request's last rows. ``graphs``: the graphs' static buffers, where a
+    paused step replays the keep-up runner's buckets on every rank."""
+    kw = dict(KW, speculative_config=MTP2)
+    if graphs:
+        monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+        kw["cuda_graph_config"] = {"enable_padding": True, "batch_sizes": [1, 2, 4]}
+    ref = _tokens(LLM(ckpt, warmup=False, **KW).generate(prompts, SamplingParams(max_tokens=PAUSE_OUT,
+                                                                                  ignore_eos=True)))
+    answers = {tuple(p): r for p, r in zip(prompts, ref)}
+    one = LLM(ckpt, warmup=False, **kw)
+    S = one.engine.cache.layout.swa_cap
+    want, want_proposals, want_pause = _paused_run(one, prompts, answers, S + 6)
+    assert want == ref
+    llm = LLM(ckpt, warmup=False, **kw, **MODES[mode])
+    try:
+        group, sent = llm.engine.runner.group, []
+        send = group.send
+        group.send = lambda m: (sent.append(m), send(m))[1]
+        got, proposals, pause = _paused_run(llm, prompts, answers, S + 6)
+        assert got == ref
+        assert pause == want_pause
+        assert pause["num_pauses"] >= 1 and pause["num_resumes"] >= 1 and pause["num_paused_steps"] > S
+        after = {k for k in proposals if k[1] >= RIGHT_FROM}  # (drafted after a pause's keep-up passes)
+        assert proposals.keys() == want_proposals.keys() and len(after) >= len(prompts)
+        assert proposals == want_proposals
+        plans = [m.lanes[0].plan for m in sent if isinstance(m, ForwardMsg)]
+        far = sum(p.get("mtp_keep_up") is False for p in plans)
+        near = sum("mtp_keep_last" in p for p in plans)
+        assert far > 0 and near > 0
+        assert sum(isinstance(m, ProposeMsg) for m in sent) == len(plans) - far
+        if graphs:
+            keep = llm.engine.runner.keep_graphs
+            assert keep is not None and keep.num_replays > 0
+    finally:
+        llm.shutdown()
 
 
 def test_fp32_cell_with_a_stable_prompt_set(ckpt, prompts):

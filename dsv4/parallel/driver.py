@@ -94,7 +94,7 @@ def serve(group: RankGroup) -> None:
     device = group.device_of_rank()
     storage = make_storage(r, device)
     runner = LaneRunner(model, storage, device, r.engine.attention_backend, r.engine.batch_invariant)
-    runner.mtp_tail_rows = not setup.mapping.attention_dp  # (as the driver's: DistributedRunner)
+    runner.lane_settings(setup.mapping.attention_dp)  # (as the driver's: DistributedRunner)
     runner.mtp_rows_max = max_kept_rows(r.engine.max_num_tokens, r.engine.max_batch_size, r.layout.swa_cap)
     build_graphs(runner, r.graphs)  # with the driver and every rank: same buckets, same order
     group.gather("ready")

@@ -29,6 +29,11 @@ requests and cache; every lane is padded to the same token and row counts so tha
 up, and a rank without requests runs an inert plan of padded rows only (R3: they read nothing valid and
 write only the null slot / block). Draft passes run on every rank if any lane drafts.
 
+Drafting paused (one lane only: the driver's ``DraftPause``): a paused step's plan arguments carry its keep-up
+decision (``mtp_keep_up`` False: no pass writes the MTP layer's rings; ``mtp_keep_last``: each request's last
+rows only), so every rank runs the same keep-up pass, or none. A step with no pass at all sends no
+ProposeMsg; the ranks' held target output is simply replaced by the next ForwardMsg's.
+
 CUDA graphs: every rank holds a GraphRunner with the same buckets (``RankSetup.graphs``), prepared at
 start-up on every rank in the same order (largest bucket first; the all-reduce / all-gather / reduce-scatter
 inside are captured: NCCL with static shapes). The driver alone decides per step whether it replays (every
@@ -126,6 +131,10 @@ def plan_args(plan: StepPlan, padding: dict | None = None) -> dict:
                 pad_tokens_to=Np if Np > N else None, pad_batch_to=Bp if Bp > B else None)
     if any(plan.unsettled):  # C known on the device only: the driver broadcasts its C column (``make_plan``)
         args["unsettled"] = tuple(plan.unsettled)
+    if not plan.mtp_keep_up:  # drafting paused far from a probe: no rank writes the MTP layer's rows
+        args["mtp_keep_up"] = False
+    elif plan.mtp_keep_last is not None:  # paused near a probe: each request's last rows only
+        args["mtp_keep_last"] = plan.mtp_keep_last
     args.update(padding or {})
     return args
 
@@ -175,7 +184,15 @@ class LaneRunner(ModelRunner):
     one lane; an idle lane's inert plan runs the plain path unless the step replays a graph bucket."""
 
     whole_step_graphs = False  # the driver reads acceptance on the host: no rank (nor the driver) runs a whole step
-    pauses_drafting = False  # every rank runs the same passes: drafting is not paused on several devices
+    # drafting may pause (the driver's DraftPause; its plans carry the keep-up decision, so every rank runs the
+    # same passes) where the ranks share one plan; attention-DP lanes never pause (``lane_settings``)
+    pauses_drafting = True
+
+    def lane_settings(self, attention_dp: bool) -> None:
+        """What the driver and every rank set alike from the mapping: under attention DP no MTP pass over kept
+        rows (the lanes' MoE gathers equal shares of rows) and no drafting pause (their caches keep every MTP
+        row); with one plan for every rank, both as on one device."""
+        self.mtp_tail_rows = self.pauses_drafting = not attention_dp
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
@@ -207,9 +224,7 @@ class DistributedRunner(LaneRunner):
         super().__init__(model, storage, device, attention_backend, batch_invariant)
         self.group, self.mapping = group, mapping
         self.dp = mapping.attention_dp
-        # the MTP pass over each request's kept rows on every rank alike (tensor parallel: one plan), not with
-        # attention-DP lanes (their MoE gathers the lanes' rows in equal shares)
-        self.mtp_tail_rows = not self.dp
+        self.lane_settings(self.dp)
         self.lane_of: dict = {}  # attention DP: request id -> lane (the engine's scheduler fills it)
         self._step = 0
         self._graphed_step = False  # the last ForwardMsg's graph decision (its propose follows it)
@@ -225,12 +240,13 @@ class DistributedRunner(LaneRunner):
         bucket = self.graphs.bucket_for(max(per_lane), [s.num_new for s in seqs])
         return self.graphs.padding(bucket) if bucket else {}
 
-    def _step_graphed(self, plans, local) -> bool:
-        """One decision for every rank: replay iff every lane's plan (an idle lane's has the same padded
-        shape as lane 0's local one) fits a bucket. Sent in the ForwardMsg; the ranks never decide alone."""
-        if self.graphs is None:
-            return False
-        return self.graphs.matches(local) and all(self.graphs.matches(p) for p in plans if p is not None)
+    def _step_graphed(self, plans, local):
+        """One decision for every rank: the graph runner whose bucket every lane's plan fits (an idle lane's has
+        the same padded shape as lane 0's local one: the verify buckets, or the keep-up runner's of one row a
+        request for a paused step), None to run eagerly. Sent in the ForwardMsg; the ranks never decide alone
+        (each finds the same runner from the plan it rebuilds with the bucket's padding)."""
+        g = self._graphs_of(local)
+        return g if g is not None and all(g.matches(p) for p in plans if p is not None) else None
 
     def _lanes(self, seqs, plan):
         """(lane plans, lane 0's local plan, seq indices per lane) for a StepPlan or LanePlans."""
@@ -270,8 +286,9 @@ class DistributedRunner(LaneRunner):
     def _forward(self, seqs, plan, prev) -> TargetOutput:
         plans, local, lane_idx = self._lanes(seqs, plan)
         self._step += 1
-        graphed = self._graphed_step = self._step_graphed(plans, local)
-        padding = self.graphs.padding(local.shape.batch) if graphed else None  # the bucket's static shapes
+        g = self._step_graphed(plans, local)
+        graphed = self._graphed_step = g is not None
+        padding = g.padding(local.shape.batch) if graphed else None  # the bucket's static shapes
         works, counts = [], []
         for lane, idx in enumerate(lane_idx):
             lane_seqs = [seqs[i] for i in idx]
@@ -314,6 +331,8 @@ class DistributedRunner(LaneRunner):
         if isinstance(num_accepted, DeviceVerdict):  # one lane (drafts_from_device): its inputs stay on the device
             inp = draft_inputs_for(seqs, local, num_accepted, drafting)
             inps = [inp]
+            if not inp.active and not local.mtp_keep_up:  # paused far from a probe: no rank has a pass to run
+                return DraftTokens(len(seqs), (), None, inp.new_lens)
             N, B = inp.next_ids.numel(), inp.picks.numel()
             self.group.send(ProposeMsg(self._step, (DraftInputs((), (), (), inp.active),), draft_len,
                                        bool(inp.active), (N, B)))
@@ -324,6 +343,8 @@ class DistributedRunner(LaneRunner):
                 p = plans[lane]
                 inps.append(draft_inputs([seqs[i] for i in idx], p.num_computed if p is not None else (),
                                          [num_accepted[i] for i in idx], [drafting[i] for i in idx]))
+            if len(inps) == 1 and not inps[0].active and not local.mtp_keep_up:  # (as above)
+                return DraftTokens(len(seqs), (), None, tuple(inps[0].new_lens))
             self.group.send(ProposeMsg(self._step, tuple(inps), draft_len, any(i.active for i in inps)))
         any_active = any(i.active for i in inps)
         order = [lane_idx[lane][b] for lane, inp in enumerate(inps) for b in inp.active]  # seq of each drafted row
