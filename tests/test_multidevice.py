@@ -260,6 +260,51 @@ def test_drafting_pauses_on_every_rank(ckpt, prompts, mode, graphs, monkeypatch)
         llm.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["tp2", "tp2+ep2"])
+def test_whole_step_graphs_on_every_rank(ckpt, prompts, mode, monkeypatch):
+    """Greedy MTP steps replay one graph a step on every rank that shares one plan (target pass, verdict,
+    catch-up and draft passes: each rank computes the verdict and the drafts from the same logits, so no propose
+    message and no broadcast of drafts follows). On the graphs' static buffers, drafting at every step (no pause)
+    and paused (the keep-up runner's whole step near a probe, its bare step far from one): every step's drafts
+    (the MTP layer's own) and tokens equal one process's on the same buffers, and the tokens are MTP off's."""
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    kw = dict(KW, speculative_config=MTP2, cuda_graph_config={"enable_padding": True, "batch_sizes": [1, 2, 4]})
+    sp = SamplingParams(max_tokens=PAUSE_OUT, ignore_eos=True)
+    ref = _tokens(LLM(ckpt, warmup=False, **KW).generate(prompts, sp))
+
+    def traced(llm, pause):
+        eng = llm.engine
+        eng.pause = pause
+        rids = [eng.add_request(p, sp) for p in prompts]
+        trace = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            trace.append([(tuple(eng.requests[r].drafts), len(eng.requests[r].output_ids)) for r in rids])
+        assert [eng.requests[r].output_ids for r in rids] == ref
+        return trace
+
+    one = LLM(ckpt, warmup=False, **kw)
+    S = one.engine.cache.layout.swa_cap
+    schedules = [lambda: None, lambda: DraftPause(1.0, window=1, probe_every=S + 6)]
+    want = [traced(one, pause()) for pause in schedules]
+    llm = LLM(ckpt, warmup=False, **kw, **MODES[mode])
+    try:
+        group, sent = llm.engine.runner.group, []
+        send = group.send
+        group.send = lambda m: (sent.append(m), send(m))[1]
+        runner = llm.engine.runner
+        for pause, trace in zip(schedules, want):
+            assert traced(llm, pause()) == trace
+        assert runner.graphs.num_whole_steps > 0  # drafting
+        assert runner.keep_graphs.num_whole_steps > runner.keep_graphs.num_bare_steps > 0  # paused
+        forwards = {m.step: m for m in sent if isinstance(m, ForwardMsg)}
+        whole = [n for n, m in forwards.items() if m.whole_step]
+        assert len(whole) == runner.graphs.num_whole_steps + runner.keep_graphs.num_whole_steps
+        assert not any(forwards[m.step].whole_step for m in sent if isinstance(m, ProposeMsg))
+    finally:
+        llm.shutdown()
+
+
 def test_fp32_cell_with_a_stable_prompt_set(ckpt, prompts):
     """The engine's own CPU dtype, on the most involved cell (attention DP + ep2, MTP): with this fixed prompt
     set the cross-rank fp32 sums do not flip any greedy choice (a different set might tie; see the docstring)."""

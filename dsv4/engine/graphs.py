@@ -460,7 +460,7 @@ def build_graphs(runner, spec: GraphSpec | None, capture: bool = True) -> GraphR
     inside them) line up, largest bucket first."""
     if spec is None or not runner.use_kernels:
         return None
-    # (the whole-step graph only where acceptance stays on the device: not on the multi-rank driver or its ranks)
+    # (the whole-step graph only where acceptance stays on the device: not with attention-DP lanes)
     capture = capture and runner.storage.device.type == "cuda"
     runner.graphs = GraphRunner(runner.model, runner.storage, spec, capture=capture,
                                 whole_step=runner.whole_step_graphs, tail_rows=runner.mtp_tail_rows)

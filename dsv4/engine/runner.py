@@ -352,10 +352,11 @@ class ModelRunner:
     # ---- the passes on plain inputs (what every rank of a multi-rank run also calls) -----------------
     @torch.no_grad()
     def run_target(self, plan, token_ids: Sequence[int], logit_rows: Sequence[int], graphed: bool = False,
-                   pending: tuple | None = None):
-        """-> (streams, logits of ``logit_rows``, the input ids on the device): ``_run_target`` in the pass context."""
+                   pending: tuple | None = None, whole_step: bool = False):
+        """-> (streams, logits of ``logit_rows``, the input ids on the device, the whole-step graph's outputs or
+        None): ``_run_target`` in the pass context."""
         with self.pass_context():
-            return self._run_target(plan, token_ids, logit_rows, graphed, pending)[:3]
+            return self._run_target(plan, token_ids, logit_rows, graphed, pending, whole_step)
 
     def _run_target(self, plan, token_ids, logit_rows, graphed, pending, whole_step=False):
         """-> (last-layer streams [N_pad, n, d], logits [len(logit_rows), V] or None, the input ids [N_pad] on the

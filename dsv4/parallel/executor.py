@@ -13,7 +13,7 @@ order with the same shapes:
                                               run the target
     [attention DP: gather logits]    <----    logits of its lane's sampled rows (data group all-gather)
     sample / verify (the driver only)
-    ProposeMsg(step, lanes, k, any)  ---->    MTP catch-up pass
+    ProposeMsg(step, lanes, k, any)  ---->    MTP catch-up pass (not after a whole step, see below)
     [acceptance on the device: broadcast the catch-up inputs]
     for j in 1..k:
       [attention DP: gather logits]  <----    MTP logits of its active rows
@@ -28,6 +28,11 @@ tokens; each rank computes its share of heads / experts). With attention DP lane
 requests and cache; every lane is padded to the same token and row counts so that the MoE all-gathers line
 up, and a rank without requests runs an inert plan of padded rows only (R3: they read nothing valid and
 write only the null slot / block). Draft passes run on every rank if any lane drafts.
+
+Whole steps (one lane, every request greedy, a bucket with the graph): the ForwardMsg says ``whole_step`` and
+every rank replays its bucket's whole-step graph (target pass, verdict, MTP catch-up and draft passes). Each
+rank computes the verdict and the drafts itself, from the same logits (the head is replicated and the streams
+are all-reduced), so no ProposeMsg and no draft broadcast follow; the driver reads its own graph's outputs.
 
 Drafting paused (one lane only: the driver's ``DraftPause``): a paused step's plan arguments carry its keep-up
 decision (``mtp_keep_up`` False: no pass writes the MTP layer's rings; ``mtp_keep_last``: each request's last
@@ -92,6 +97,8 @@ class ForwardMsg:
     lanes: tuple[LaneWork, ...]
     graphed: bool = False  # the driver's decision: every rank replays its bucket's graphs for this step
     pending_ids: int = 0  # overlap: the driver broadcasts this many int64 ids (its previous step's tokens) next
+    # every rank replays its bucket's whole-step graph (one lane, greedy): no ProposeMsg follows
+    whole_step: bool = False
 
 
 def pending_of(work: LaneWork, values: torch.Tensor | None):
@@ -183,16 +190,14 @@ class LaneRunner(ModelRunner):
     """The model runner's passes on plain inputs (what a rank receives: ``run_target`` / ``run_drafts``) for
     one lane; an idle lane's inert plan runs the plain path unless the step replays a graph bucket."""
 
-    whole_step_graphs = False  # the driver reads acceptance on the host: no rank (nor the driver) runs a whole step
-    # drafting may pause (the driver's DraftPause; its plans carry the keep-up decision, so every rank runs the
-    # same passes) where the ranks share one plan; attention-DP lanes never pause (``lane_settings``)
-    pauses_drafting = True
-
     def lane_settings(self, attention_dp: bool) -> None:
-        """What the driver and every rank set alike from the mapping: under attention DP no MTP pass over kept
-        rows (the lanes' MoE gathers equal shares of rows) and no drafting pause (their caches keep every MTP
-        row); with one plan for every rank, both as on one device."""
-        self.mtp_tail_rows = self.pauses_drafting = not attention_dp
+        """What the driver and every rank set alike from the mapping, before their graphs are built. With one
+        plan for every rank, as on one device: the MTP pass over each request's kept rows, the drafting pause (the
+        driver's DraftPause; its plans carry the keep-up decision) and the whole-step graphs (every rank computes
+        the same greedy verdict and drafts from the same logits). Under attention DP none of them: the lanes' MoE
+        gathers equal shares of rows, their caches keep every MTP row and settle on the host (the driver reads
+        acceptance there)."""
+        self.mtp_tail_rows = self.pauses_drafting = self.whole_step_graphs = not attention_dp
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
@@ -267,9 +272,9 @@ class DistributedRunner(LaneRunner):
     def forward(self, seqs: list[ScheduledSeq], plan, prev=None, whole_step: bool = False) -> TargetOutput:
         if prev is not None and prev.mtp is not None and not self.drafts_from_device:
             raise RuntimeError("attention-DP lanes do not overlap MTP steps (drafts_from_device is False)")
-        if whole_step:
-            raise RuntimeError("the multi-rank driver has no whole-step graphs (acceptance is read on the host)")
-        return self._guard(self._forward, seqs, plan, prev)
+        if whole_step and self.dp:
+            raise RuntimeError("attention-DP lanes have no whole-step graphs (acceptance is read on the host)")
+        return self._guard(self._forward, seqs, plan, prev, whole_step)
 
     def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         return self._guard(self._propose, seqs, plan, target, num_accepted, drafting, draft_len, choose)
@@ -283,7 +288,7 @@ class DistributedRunner(LaneRunner):
         self.group.send(WarmRowsMsg(counts))
         super().run_inert_mtp_rows(counts)
 
-    def _forward(self, seqs, plan, prev) -> TargetOutput:
+    def _forward(self, seqs, plan, prev, whole_step: bool = False) -> TargetOutput:
         plans, local, lane_idx = self._lanes(seqs, plan)
         self._step += 1
         g = self._step_graphed(plans, local)
@@ -302,13 +307,14 @@ class DistributedRunner(LaneRunner):
         values = None
         if any(w.pending[0] for w in works):  # the previous step's tokens, from the device to every rank
             values = prev.inputs.reshape(-1).to(torch.long).contiguous()
-        self.group.send(ForwardMsg(self._step, tuple(works), graphed, 0 if values is None else values.numel()))
+        self.group.send(ForwardMsg(self._step, tuple(works), graphed, 0 if values is None else values.numel(),
+                                   whole_step))
         if unsettled_count(works[0]):  # C of each request, known on the device only (an overlapped MTP step)
             self.group.collectives.broadcast(local.rows[:local.num_seqs].to(torch.long).contiguous())
         if values is not None:
             self.group.collectives.broadcast(values)
-        X, logits0, inputs = self.run_target(local, works[0].token_ids, counts[0][1], graphed,
-                                             pending_of(works[0], values))
+        X, logits0, inputs, step = self.run_target(local, works[0].token_ids, counts[0][1], graphed,
+                                                   pending_of(works[0], values), whole_step)
         lane_logits = [logits0]
         if self.dp:
             got = gather_lanes(self.group.collectives, logits0, [len(w.logit_rows) for w in works],
@@ -323,7 +329,7 @@ class DistributedRunner(LaneRunner):
                     off += c
         if self.dp:
             return TargetOutput(X, per_seq)
-        return TargetOutput(X, per_seq, logits0, inputs)  # (one lane: acceptance may run on the device)
+        return TargetOutput(X, per_seq, logits0, inputs, step)  # (one lane: acceptance may run on the device)
 
     def _propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         plans, local, lane_idx = self._lanes(seqs, plan)
@@ -409,8 +415,9 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
             if msg.pending_ids:  # the driver's previous tokens (its broadcast follows the message)
                 values = group.collectives.broadcast(torch.empty(msg.pending_ids, dtype=torch.long,
                                                                  device=runner.device))
-            X, logits, _ = runner.run_target(plan, work.token_ids, work.logit_rows, msg.graphed,
-                                             pending_of(work, values))
+            rows = range(plan.num_tokens) if msg.whole_step else work.logit_rows  # (a whole step's: every row)
+            X, logits, _, _ = runner.run_target(plan, work.token_ids, rows, msg.graphed, pending_of(work, values),
+                                                msg.whole_step)
             if dp:
                 gather_lanes(group.collectives, logits, [len(w.logit_rows) for w in msg.lanes],
                              runner.model.cfg.vocab_size, runner.device)
