@@ -61,9 +61,9 @@ class GraphSpec:
     draft_len: int
     # token counts of the one-request prefill graphs (each > rows_per_seq; () on several devices)
     prefill_tokens: tuple[int, ...] = ()
-    # with MTP (one device, or ranks sharing one plan: not attention-DP lanes): buckets of one row per request
-    # too, for the steps whose drafting is paused (engine/spec_pause.py: the target pass and the MTP layer's
-    # keep-up pass, its window rows) and the probes
+    # with MTP: buckets of one row per request too (per lane under attention DP), for the steps whose drafting
+    # is paused (engine/spec_pause.py: the target pass and the MTP layer's keep-up pass, its window rows) and the
+    # probes
     keep_up: bool = False
 
     @property
@@ -157,8 +157,7 @@ def _graph_spec(cfg: EngineConfig, model_cfg: ModelConfig, layout: CacheLayout, 
     ratios = model_cfg.ratios
     max_entries = (max_seq_len + k) // min(ratios) + 1 if ratios else 1
     spec = cfg.speculative_config
-    # (the pause's keep-up buckets on one device and on ranks that share one plan; attention-DP lanes never pause)
-    pauses = k > 0 and spec.pause_below_acceptance > 0 and not cfg.enable_attention_dp
+    pauses = k > 0 and spec.pause_below_acceptance > 0  # (the drafting pause's keep-up buckets)
     return GraphSpec(buckets, 1 + k, gcfg.enable_padding, max_entries, layout.num_blocks_for(max_seq_len + k), k,
                      _prefill_tokens(cfg, gcfg, 1 + k), keep_up=pauses)
 

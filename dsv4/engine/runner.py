@@ -215,11 +215,11 @@ class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
     drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
     whole_step_graphs = True  # with MTP, a graph bucket also captures the whole greedy step (graphs.StepGraphOut)
-    # the engine may pause MTP drafting (spec_pause.py): steps of one row, keep-up passes (on several ranks
-    # without attention-DP lanes only, see LaneRunner.lane_settings)
+    # the engine may pause MTP drafting (spec_pause.py): steps of one row, keep-up passes (on several ranks too:
+    # each lane's plan carries the keep-up decision, and the keep-up pass has no collective)
     pauses_drafting = True
     # the MTP catch-up pass over the rows its window keeps only, the last swa_cap of each request (mtp_rows.py;
-    # on several ranks without attention-DP lanes only, as the pause); False: over every row of the step
+    # on several ranks without attention-DP lanes only, see LaneRunner.lane_settings); False: over every row
     mtp_tail_rows = True
     # those rows padded with inert ones to a power of two (mtp_rows.padded), each of which warmup runs once
     # (warm_mtp_rows; on every rank of a multi-rank run alike)

@@ -34,10 +34,11 @@ every rank replays its bucket's whole-step graph (target pass, verdict, MTP catc
 rank computes the verdict and the drafts itself, from the same logits (the head is replicated and the streams
 are all-reduced), so no ProposeMsg and no draft broadcast follow; the driver reads its own graph's outputs.
 
-Drafting paused (one lane only: the driver's ``DraftPause``): a paused step's plan arguments carry its keep-up
-decision (``mtp_keep_up`` False: no pass writes the MTP layer's rings; ``mtp_keep_last``: each request's last
-rows only), so every rank runs the same keep-up pass, or none. A step with no pass at all sends no
-ProposeMsg; the ranks' held target output is simply replaced by the next ForwardMsg's.
+Drafting paused (the driver's ``DraftPause``): a paused step's plan arguments carry its keep-up decision
+(``mtp_keep_up`` False: no pass writes the MTP layer's rings; ``mtp_keep_last``: each request's last rows
+only), so every rank runs the same keep-up pass, or none (under attention DP each lane's plan says it for its
+rank: the keep-up pass has no collective). With one lane, a step with no pass at all sends no ProposeMsg; the
+ranks' held target output is simply replaced by the next ForwardMsg's.
 
 CUDA graphs: every rank holds a GraphRunner with the same buckets (``RankSetup.graphs``), prepared at
 start-up on every rank in the same order (largest bucket first; the all-reduce / all-gather / reduce-scatter
@@ -192,12 +193,11 @@ class LaneRunner(ModelRunner):
 
     def lane_settings(self, attention_dp: bool) -> None:
         """What the driver and every rank set alike from the mapping, before their graphs are built. With one
-        plan for every rank, as on one device: the MTP pass over each request's kept rows, the drafting pause (the
-        driver's DraftPause; its plans carry the keep-up decision) and the whole-step graphs (every rank computes
-        the same greedy verdict and drafts from the same logits). Under attention DP none of them: the lanes' MoE
-        gathers equal shares of rows, their caches keep every MTP row and settle on the host (the driver reads
-        acceptance there)."""
-        self.mtp_tail_rows = self.pauses_drafting = self.whole_step_graphs = not attention_dp
+        plan for every rank, as on one device: the MTP pass over each request's kept rows and the whole-step
+        graphs (every rank computes the same greedy verdict and drafts from the same logits). Under attention DP
+        neither: the lanes' MoE gathers equal shares of rows, and their caches settle on the host (the driver
+        reads acceptance there)."""
+        self.mtp_tail_rows = self.whole_step_graphs = not attention_dp
 
     def _backend(self, plan):
         if plan.num_seqs == 0:  # an idle lane's inert plan: the plain path, whatever the device
@@ -242,8 +242,12 @@ class DistributedRunner(LaneRunner):
         per_lane = [0] * self.mapping.dp_size
         for s in seqs:
             per_lane[self.lane_of[s.request.request_id]] += 1
-        bucket = self.graphs.bucket_for(max(per_lane), [s.num_new for s in seqs])
-        return self.graphs.padding(bucket) if bucket else {}
+        num_new = [s.num_new for s in seqs]
+        for g in (self.graphs, self.keep_graphs):  # (the keep-up runner's: a paused step, one row a request)
+            bucket = g.bucket_for(max(per_lane), num_new) if g is not None else None
+            if bucket:
+                return g.padding(bucket)
+        return {}
 
     def _step_graphed(self, plans, local):
         """One decision for every rank: the graph runner whose bucket every lane's plan fits (an idle lane's has

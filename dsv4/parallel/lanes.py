@@ -10,7 +10,9 @@ The engine talks to one scheduler and one cache; under attention DP these are co
   same token count N and row count B (the largest lane's, at least 1), so every rank's MoE all-gather has
   the same shape. Lane 0's plan is built on the driver's device (the driver runs it); the other lanes'
   plans are built on the CPU for their bookkeeping and their build_plan arguments, which their ranks turn
-  into the same plan on their own devices. An idle lane 0 gets an inert plan of padded rows only.
+  into the same plan on their own devices. An idle lane 0 gets an inert plan of padded rows only. A step
+  whose drafting is paused passes its keep-up decision to every busy lane's plan (an idle lane's inert rows
+  may keep up: they write the null row only).
 """
 
 from __future__ import annotations
@@ -47,8 +49,6 @@ class LaneCaches:
                    mtp_keep_last: int | None = None) -> LanePlans:
         if shift is not None:
             raise NotImplementedError("attention-DP lanes do not overlap MTP steps (no unsettled rows to shift)")
-        if not mtp_keep_up or mtp_keep_last is not None:
-            raise NotImplementedError("attention-DP lanes do not pause drafting (every step keeps the MTP ring)")
         lanes: list[list[SeqStep]] = [[] for _ in self.managers]
         idx: list[list[int]] = [[] for _ in self.managers]
         for i, s in enumerate(seqs):
@@ -61,7 +61,8 @@ class LaneCaches:
         try:
             for lane, (m, ls) in enumerate(zip(self.managers, lanes)):
                 plans.append(m.begin_step(ls, pad_tokens_to=N, pad_batch_to=B, max_entries=max_entries,
-                                          max_blocks=max_blocks, device=device if lane == 0 else "cpu")
+                                          max_blocks=max_blocks, device=device if lane == 0 else "cpu",
+                                          mtp_keep_up=mtp_keep_up, mtp_keep_last=mtp_keep_last)
                              if ls else None)
         except BaseException:
             for m, p in zip(self.managers, plans):
