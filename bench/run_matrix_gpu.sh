@@ -12,7 +12,8 @@ python3 -m dsv4.bench.cli --model $M prepare-dataset --output /tmp/ds.jsonl toke
   --input-mean $ISL --output-mean $OSL --input-stdev 0 --output-stdev 0
 sed "s/dtype: fp8/dtype: $KV/" examples/mtp.yml > /tmp/mtp_on.yml
 grep -v "speculative_config\|decoding_type\|num_nextn" /tmp/mtp_on.yml > /tmp/mtp_off.yml
-for cell in ${CELLS:-on:off on:on off:off off:on}; do  # MTP:attention-DP
+cp /tmp/mtp_on.yml /tmp/mtp_nopause.yml && echo "  pause_below_acceptance: 0" >> /tmp/mtp_nopause.yml
+for cell in ${CELLS:-on:off on:on off:off off:on}; do  # MTP:attention-DP (MTP: on, off, or nopause: never paused)
   mtp=${cell%:*} adp=${cell#*:}
   cfg=/tmp/cell_mtp${mtp}_adp${adp}.yml
   cp /tmp/mtp_$mtp.yml $cfg
@@ -25,6 +26,6 @@ for cell in ${CELLS:-on:off on:on off:off off:on}; do  # MTP:attention-DP
       --concurrency 32 --num_requests $N \
       --kv_cache_free_gpu_mem_fraction 0.8 --config $cfg --device cuda --no_progress \
       --report_json "$OUT/matrix_mtp${mtp}_adp${adp}.json" 2>&1 | grep -v Warning \
-      | grep -E "Requests \(|CUDA graphs|Overlap|output throughput|Per GPU|acceptance|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
+      | grep -E "Requests \(|CUDA graphs|Overlap|output throughput|Per GPU|acceptance|Drafting paused|Parallel|Error|error|refuse|failed|Traceback|rank" | head -20
   echo "rc=${PIPESTATUS[0]}"
 done
