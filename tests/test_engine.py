@@ -130,6 +130,31 @@ def test_warmup_runs_a_full_step_of_prompts_beside_decode_rows(tiny_dir, monkeyp
                and any(0 < c < 100 for _, c in st) and any(n > 1 and c == 0 for n, c in st) for st in steps)
 
 
+def test_warmup_runs_the_largest_step_of_prompts_a_short_max_seq_len_allows(tiny_dir, monkeypatch):
+    """Where too few prompts fit to fill two steps of max_num_tokens (a short max_seq_len: bench/decode_floor.py's
+    32 x 128-token prompts), warmup runs as many prompts as fit in one step: the largest prompt step the
+    configuration allows (its kernels' tiles may follow a step's rows). On the kernel path (its torch twins on
+    the CPU); not where the context chunk is already that large."""
+    from dsv4.cache.manager import KVCacheManager
+
+    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
+    steps, begin = [], KVCacheManager.begin_step
+
+    def recorded(self, seqs, **kw):
+        steps.append([(s.num_new, self._reqs[s.req_id].num_computed) for s in seqs])
+        return begin(self, seqs, **kw)
+    monkeypatch.setattr(KVCacheManager, "begin_step", recorded)
+    llm = LLM(tiny_dir, max_batch_size=4, max_num_tokens=400, max_seq_len=80,
+              kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16})
+    path = [p for p in llm.warmup_paths if p.startswith("prompts in")]
+    assert len(path) == 1 and path[0].startswith("prompts in one step (") and path[0].endswith(" x 72 tokens)")
+    n = int(path[0].split("(")[1].split(" x ")[0])  # (as many as the batch and the cache hold: 3 of 4 here)
+    assert n >= 3 and any(sorted(st) == [(72, 0)] * n for st in steps)  # n new prompts in one step
+    one = LLM(tiny_dir, max_batch_size=1, max_num_tokens=400, max_seq_len=80,  # (one prompt: the chunk's size)
+              kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16})
+    assert not any(p.startswith("prompts in") for p in one.warmup_paths)
+
+
 @pytest.mark.parametrize("mtp", [None, MTP(1)])
 def test_warmup_with_the_seeds_settings(tiny_dir, mtp):
     llm = LLM(tiny_dir, max_batch_size=4, max_num_tokens=256, max_seq_len=512,

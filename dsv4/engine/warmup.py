@@ -23,7 +23,8 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     """(name, prompt lengths, max_tokens, with a sampled request, the pause: None for the engine's own, else the
     probe interval of one that pauses at the first rejected draft, and None or, paused from the start, its paused
     steps since the last probe) of each path: a context chunk of max_num_tokens, prompts that fill two such
-    steps beside decode rows (``_mixed_prompts``; the kernel path only), one request's prefill for each prefill
+    steps beside decode rows (``_mixed_prompts``; the kernel path only; where too few prompts fit for that, as
+    many as fit in one step), one request's prefill for each prefill
     graph, a decode batch of max_batch_size, and with
     MTP a verify + draft at the configured draft length (it follows the decode batch's first step, so its
     requests generate enough tokens to verify twice; a sampled request follows its greedy batch, see
@@ -50,6 +51,14 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
     if mixed:
         paths.append((f"prompts in chunks of max_num_tokens beside decode rows ({mixed} x {wave} tokens)",
                       [wave] * mixed, min(WAVE_OUT, L - wave), False, None))
+    elif engine.runner.use_kernels:
+        # too few prompts of this length to fill two steps (a short max_seq_len): as many as fit in one step, the
+        # largest prompt step the configuration allows, when it is larger than the chunk above (a kernel's tile
+        # may follow a step's rows: the experts' row blocks, bench/decode_floor.py's 32 x 128 tokens with FP4
+        # experts compiled two grouped-GEMM variants after warmup without it)
+        n = _one_step_prompts(engine, wave, batch)
+        if n * wave > lanes * chunk:
+            paths.append((f"prompts in one step ({n} x {wave} tokens)", [wave] * n, min(2, L - wave), False, None))
     # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
     graphs = engine.runner.graphs
     for T in sorted({min(T, L - 2) for T in (graphs.prefill_tokens if graphs is not None else ())} - {chunk}):
@@ -79,10 +88,21 @@ def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
     """How many ``prompt``-token requests make two full steps of max_num_tokens and a split prompt (0: fewer
     than two requests fit the batch or the cache, or they would not need a second chunk)."""
     budget = engine.cfg.max_num_tokens
+    n = min(batch, lanes * (2 * -(-budget // prompt) + 1), _fit(engine, prompt))
+    return n if n >= 2 and n * prompt > lanes * budget else 0
+
+
+def _one_step_prompts(engine, prompt: int, batch: int) -> int:
+    """How many ``prompt``-token requests the batch and the cache hold at once (with ``_mixed_prompts`` 0 their
+    prompts fit one step)."""
+    return min(batch, _fit(engine, prompt))
+
+
+def _fit(engine, prompt: int) -> int:
+    """How many ``prompt``-token requests of the warmup's waves the free cache blocks hold."""
     tpb = engine.cache.layout.tokens_per_block
     per_request = -(-(prompt + WAVE_OUT + engine.draft_len) // tpb) + 1  # blocks, the draft lookahead included
-    n = min(batch, lanes * (2 * -(-budget // prompt) + 1), engine.cache.num_free_blocks // per_request)
-    return n if n >= 2 and n * prompt > lanes * budget else 0
+    return engine.cache.num_free_blocks // per_request
 
 
 def run_warmup(engine) -> list[str]:
