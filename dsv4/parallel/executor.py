@@ -338,23 +338,23 @@ class DistributedRunner(LaneRunner):
     def _propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         plans, local, lane_idx = self._lanes(seqs, plan)
         coll = self.group.collectives
-        if isinstance(num_accepted, DeviceVerdict):  # one lane (drafts_from_device): its inputs stay on the device
-            inp = draft_inputs_for(seqs, local, num_accepted, drafting)
-            inps = [inp]
-            if not inp.active and not local.mtp_keep_up:  # paused far from a probe: no rank has a pass to run
-                return DraftTokens(len(seqs), (), None, inp.new_lens)
+        on_device = isinstance(num_accepted, DeviceVerdict)  # one lane (drafts_from_device): inputs on the device
+        if on_device:
+            inps = [draft_inputs_for(seqs, local, num_accepted, drafting)]
+        else:
+            inps = [draft_inputs([seqs[i] for i in idx], plans[lane].num_computed if plans[lane] is not None else (),
+                                 [num_accepted[i] for i in idx], [drafting[i] for i in idx])
+                    for lane, idx in enumerate(lane_idx)]
+        if len(inps) == 1 and not inps[0].active and not local.mtp_keep_up:  # paused far from a probe: no pass
+            lens = inps[0].new_lens
+            return DraftTokens(len(seqs), (), None, lens if on_device else tuple(lens))
+        if on_device:
+            inp = inps[0]
             N, B = inp.next_ids.numel(), inp.picks.numel()
             self.group.send(ProposeMsg(self._step, (DraftInputs((), (), (), inp.active),), draft_len,
                                        bool(inp.active), (N, B)))
             coll.broadcast(torch.cat([inp.next_ids, inp.picks, inp.new_lens]).to(torch.long).contiguous())
         else:
-            inps = []
-            for lane, idx in enumerate(lane_idx):
-                p = plans[lane]
-                inps.append(draft_inputs([seqs[i] for i in idx], p.num_computed if p is not None else (),
-                                         [num_accepted[i] for i in idx], [drafting[i] for i in idx]))
-            if len(inps) == 1 and not inps[0].active and not local.mtp_keep_up:  # (as above)
-                return DraftTokens(len(seqs), (), None, tuple(inps[0].new_lens))
             self.group.send(ProposeMsg(self._step, tuple(inps), draft_len, any(i.active for i in inps)))
         any_active = any(i.active for i in inps)
         order = [lane_idx[lane][b] for lane, inp in enumerate(inps) for b in inp.active]  # seq of each drafted row
@@ -378,7 +378,7 @@ class DistributedRunner(LaneRunner):
             return chosen[0]
 
         self.run_drafts(local, target.streams, inps[0], draft_len, any_active, pick, self._graphed_step)
-        if isinstance(num_accepted, DeviceVerdict):
+        if on_device:
             new_lens = inps[0].new_lens
         else:
             lens = [0] * len(seqs)
