@@ -110,20 +110,26 @@ def test_chunked_prefill_equals_one_shot(tiny_dir):
     assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in chunked]
 
 
-def test_warmup_runs_a_full_step_of_prompts_beside_decode_rows(tiny_dir, monkeypatch):
-    """Warmup's path of a server's first wave: a step of max_num_tokens that holds decode rows, a chunk that
-    continues a prompt an earlier step began, and new prompts (the single context chunk has none of these). On
-    the kernel path (here its torch twins on the CPU)."""
+def _kernel_path_steps(monkeypatch) -> list:
+    """The kernel path's torch twins on the CPU, and every step's (rows, C) of each request as begin_step sees them
+    (the list returned fills as steps begin)."""
     from dsv4.cache.manager import KVCacheManager
 
     monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
-
     steps, begin = [], KVCacheManager.begin_step
 
     def recorded(self, seqs, **kw):
         steps.append([(s.num_new, self._reqs[s.req_id].num_computed) for s in seqs])
         return begin(self, seqs, **kw)
     monkeypatch.setattr(KVCacheManager, "begin_step", recorded)
+    return steps
+
+
+def test_warmup_runs_a_full_step_of_prompts_beside_decode_rows(tiny_dir, monkeypatch):
+    """Warmup's path of a server's first wave: a step of max_num_tokens that holds decode rows, a chunk that
+    continues a prompt an earlier step began, and new prompts (the single context chunk has none of these). On
+    the kernel path (here its torch twins on the CPU)."""
+    steps = _kernel_path_steps(monkeypatch)
     llm = LLM(tiny_dir, max_batch_size=8, max_num_tokens=100, max_seq_len=256)
     assert "prompts in chunks of max_num_tokens beside decode rows (3 x 100 tokens)" in llm.warmup_paths
     assert any(sum(n for n, _ in st) == 100 and any(c >= 100 for _, c in st)  # decode rows
@@ -135,15 +141,7 @@ def test_warmup_runs_the_largest_step_of_prompts_a_short_max_seq_len_allows(tiny
     32 x 128-token prompts), warmup runs as many prompts as fit in one step: the largest prompt step the
     configuration allows (its kernels' tiles may follow a step's rows). On the kernel path (its torch twins on
     the CPU); not where the context chunk is already that large."""
-    from dsv4.cache.manager import KVCacheManager
-
-    monkeypatch.setenv("DSV4_STATIC_GRAPHS_ON_CPU", "1")
-    steps, begin = [], KVCacheManager.begin_step
-
-    def recorded(self, seqs, **kw):
-        steps.append([(s.num_new, self._reqs[s.req_id].num_computed) for s in seqs])
-        return begin(self, seqs, **kw)
-    monkeypatch.setattr(KVCacheManager, "begin_step", recorded)
+    steps = _kernel_path_steps(monkeypatch)
     llm = LLM(tiny_dir, max_batch_size=4, max_num_tokens=400, max_seq_len=80,
               kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16})
     path = [p for p in llm.warmup_paths if p.startswith("prompts in")]
