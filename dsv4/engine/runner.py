@@ -254,12 +254,20 @@ class ModelRunner:
         if self.graphs is None:
             return {}
         num_new = [s.num_new for s in seqs]
-        for g in (self.graphs, self.keep_graphs):
-            bucket = g.bucket_for(len(seqs), num_new) if g is not None else None
-            if bucket:
-                return g.padding(bucket)
+        padding = self._bucket_padding(len(seqs), num_new)
+        if padding:
+            return padding
         tokens = self.graphs.prefill_bucket_for(len(seqs), num_new)
         return self.graphs.prefill_padding(tokens) if tokens else {}
+
+    def _bucket_padding(self, batch: int, num_new: list[int]) -> dict:
+        """The padding of the first runner (verify buckets, then the keep-up runner's of one row a request) with a
+        decode bucket for ``batch`` requests adding ``num_new`` rows each ({}: none)."""
+        for g in (self.graphs, self.keep_graphs):
+            bucket = g.bucket_for(batch, num_new) if g is not None else None
+            if bucket:
+                return g.padding(bucket)
+        return {}
 
     def _graphs_of(self, plan):
         """The GraphRunner with a bucket ``plan`` was built for (None: the step runs eagerly)."""

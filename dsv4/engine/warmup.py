@@ -56,7 +56,7 @@ def warmup_paths(engine) -> list[tuple[str, list[int], int, bool, tuple[int, int
         # largest prompt step the configuration allows, when it is larger than the chunk above (a kernel's tile
         # may follow a step's rows: the experts' row blocks, bench/decode_floor.py's 32 x 128 tokens with FP4
         # experts compiled two grouped-GEMM variants after warmup without it)
-        n = _one_step_prompts(engine, wave, batch)
+        n = min(batch, _fit(engine, wave))  # (with ``mixed`` 0 their prompts fit one step)
         if n * wave > lanes * chunk:
             paths.append((f"prompts in one step ({n} x {wave} tokens)", [wave] * n, min(2, L - wave), False, None))
     # one request's prefill replaying each prefill graph (the chunk above replays its own if it has one)
@@ -90,12 +90,6 @@ def _mixed_prompts(engine, prompt: int, batch: int, lanes: int) -> int:
     budget = engine.cfg.max_num_tokens
     n = min(batch, lanes * (2 * -(-budget // prompt) + 1), _fit(engine, prompt))
     return n if n >= 2 and n * prompt > lanes * budget else 0
-
-
-def _one_step_prompts(engine, prompt: int, batch: int) -> int:
-    """How many ``prompt``-token requests the batch and the cache hold at once (with ``_mixed_prompts`` 0 their
-    prompts fit one step)."""
-    return min(batch, _fit(engine, prompt))
 
 
 def _fit(engine, prompt: int) -> int:

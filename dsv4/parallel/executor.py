@@ -242,12 +242,7 @@ class DistributedRunner(LaneRunner):
         per_lane = [0] * self.mapping.dp_size
         for s in seqs:
             per_lane[self.lane_of[s.request.request_id]] += 1
-        num_new = [s.num_new for s in seqs]
-        for g in (self.graphs, self.keep_graphs):  # (the keep-up runner's: a paused step, one row a request)
-            bucket = g.bucket_for(max(per_lane), num_new) if g is not None else None
-            if bucket:
-                return g.padding(bucket)
-        return {}
+        return self._bucket_padding(max(per_lane), [s.num_new for s in seqs])
 
     def _step_graphed(self, plans, local):
         """One decision for every rank: the graph runner whose bucket every lane's plan fits (an idle lane's has
@@ -346,8 +341,7 @@ class DistributedRunner(LaneRunner):
                                  [num_accepted[i] for i in idx], [drafting[i] for i in idx])
                     for lane, idx in enumerate(lane_idx)]
         if len(inps) == 1 and not inps[0].active and not local.mtp_keep_up:  # paused far from a probe: no pass
-            lens = inps[0].new_lens
-            return DraftTokens(len(seqs), (), None, lens if on_device else tuple(lens))
+            return DraftTokens(len(seqs), (), None, inps[0].new_lens)
         if on_device:
             inp = inps[0]
             N, B = inp.next_ids.numel(), inp.picks.numel()
