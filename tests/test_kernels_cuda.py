@@ -34,9 +34,14 @@ def test_align_kernel_equals_twin(N, k, E):
 @pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
 @pytest.mark.parametrize("hashed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gate_kernels_match_twin(func, hashed, dtype):
+@pytest.mark.parametrize("N", [133, 300])
+def test_gate_kernels_match_twin(func, hashed, dtype, N):
     """dsv4.kernels.gate (Gate.forward on CUDA) against the torch lines on the CPU: the same experts in the
-    same order, weights within fp32 rounding."""
+    same order, weights within fp32 rounding. 300 bf16 tokens take the tensor-core logits (``use_mma``), and
+    under batch invariance (``fixed_rows``) the per-token kernel, whose bits a small step reproduces."""
+    from dsv4.kernels.gate import use_mma
+    from dsv4.model.rows import fixed_rows
+
     import dataclasses
 
     from dsv4.config import get_preset
@@ -54,15 +59,19 @@ def test_gate_kernels_match_twin(func, hashed, dtype):
     gate = gate.to(dtype)
     if not hashed:
         gate.bias.data = gate.bias.data.float()
-    x = torch.randn(133, cfg.hidden_size).to(dtype)  # more than 64 tokens: 16 a program
-    tok = torch.randint(0, cfg.vocab_size, (133,))
+    x = torch.randn(N, cfg.hidden_size).to(dtype)  # more than 64 tokens: 16 a program
+    tok = torch.randint(0, cfg.vocab_size, (N,))
     w_ref, ids_ref = gate(x, tok)
     gate = gate.cuda()
-    _poison_allocator(133 * 64, torch.float32)
+    assert use_mma(x.cuda(), gate.weight, False) == (N >= 256 and dtype == torch.bfloat16)
+    _poison_allocator(N * 64, torch.float32)
     w, ids = gate(x.cuda(), tok.cuda())
     assert torch.equal(ids.cpu(), ids_ref) and rel_err(w.cpu(), w_ref) < 1e-5
+    with fixed_rows():
+        wi, idsi = gate(x.cuda(), tok.cuda())  # the per-token kernel whatever N
+    assert torch.equal(idsi.cpu(), ids_ref) and rel_err(wi.cpu(), w_ref) < 1e-5
     w5, ids5 = gate(x[:5].cuda(), tok[:5].cuda())  # one token a program: the same bits
-    assert torch.equal(w5, w[:5]) and torch.equal(ids5, ids[:5])
+    assert torch.equal(w5, wi[:5]) and torch.equal(ids5, idsi[:5])
 
 
 def test_grouped_moe_matches_torch():
@@ -289,12 +298,16 @@ def test_rope_kernel_equals_twin(dtype, shape):
         out = apply_rope(x, rope, inverse)
         assert torch.isfinite(out).all()
         assert torch.equal(out, ref)
+        mine = x.clone()  # in place: the same bits, in x's own storage
+        got = apply_rope(mine, rope, inverse, in_place=True)
+        assert torch.equal(got, ref) and got.data_ptr() == mine.data_ptr()
         cpu = apply_rope(x.cpu(), Rope(rope.table.cpu(), rope.positions.cpu()), inverse)
         assert rel_err(out.cpu(), cpu) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
     if x.dim() == 3:  # the same values with non-contiguous strides (copied first)
         strided = x.transpose(0, 1).contiguous().transpose(0, 1)
         assert not strided.is_contiguous()
         assert torch.equal(apply_rope(strided, rope), apply_rope(x, rope))
+        assert torch.equal(apply_rope(strided.clone(), rope, in_place=True), apply_rope(x, rope))
 
 
 @pytest.mark.parametrize("preset, max_draft, tpb", [("tiny", 2, 16), ("flash-L4-E32", 1, 128), ("tiny-r128", 3, 128)])
@@ -400,10 +413,13 @@ def test_two_stage_argmax_equals_argmax(R, V):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, nI, dI, R, E, k", [(1, 64, 128, 3000, 2048, 512), (33, 64, 128, 900, 700, 512),
-                                                (5, 16, 16, 60, 40, 3), (4, 4, 24, 30, 20, 25)])
+                                                (5, 16, 16, 60, 40, 3), (4, 4, 24, 30, 20, 25),
+                                                (300, 64, 128, 3000, 2000, 512)])
 def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
     """dsv4.kernels.indexer: the scores kernel against the gathered torch scores (float64), and the top-k kernel
-    against the stable-sort twin on the same scores, exactly (rows, order, validity), ties included."""
+    against the stable-sort twin on the same scores, exactly (rows, order, validity), ties included. 300 tokens
+    take the prefill's runs of blocks a program (token 0's first half, with nothing visible, skipped), whose
+    scores are the bits a small step's one block a program gives."""
     from dsv4.kernels.indexer import index_scores_cuda, index_scores_torch, topk_rows_cuda, topk_rows_torch
 
     g = torch.Generator(device="cuda").manual_seed(N * 7 + E)
@@ -420,6 +436,7 @@ def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
     _poison_allocator(N * E, torch.float32)
     scores = index_scores_cuda(q, w, keys, rows, valid)
     assert torch.equal(scores.isfinite(), valid)
+    assert torch.equal(index_scores_cuda(q[:3], w[:3], keys, rows[:3], valid[:3]), scores[:3])
     assert rel_err(scores[valid], ref[valid]) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     quant = (scores * 4).round() / 4  # many ties, -0.0 among them
     for s in (scores, quant):

@@ -1,5 +1,6 @@
 """The MoE router in two kernels: the gate logits (fp32 dot products of each token with every expert's
-row, a program per token and block of experts), then one program per token for the scores
+row, a program per token and block of experts; at prefill sizes outside batch invariance, blocks of tokens
+against blocks of experts on the tensor cores), then one program per token for the scores
 (sqrt-softplus, sigmoid or softmax), the selection (top-k of score + bias, or the token's fixed hash
 experts), the normalisation and the route scale. In torch that is about a dozen launches. The plain-torch
 twin is the CPU branch of ``dsv4.model.moe.Gate.forward``."""
@@ -56,6 +57,26 @@ if HAVE_TRITON:
             tl.store(L + t.to(tl.int64) * E + e, acc, mask=me & live)
 
     @triton.jit
+    def _gate_logits_mma(X, stride_x, W, L, N, E, d: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                         PDL: tl.constexpr):
+        """Prefill sizes: a block of BM tokens against BE expert rows on the tensor cores (16-bit inputs, whose
+        products are exact in fp32; fp32 sums, in the tensor cores' order). Expert rows are read once per BM
+        tokens, the tokens once per BE experts."""
+        enter(PDL)
+        t = tl.program_id(0) * BM + tl.arange(0, BM)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        k = tl.arange(0, BK)
+        mt, me = t < N, e < E
+        acc = tl.zeros([BM, BE], dtype=tl.float32)
+        for k0 in range(0, d, BK):
+            mk = k0 + k < d
+            x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + (k0 + k)[None, :], mask=mt[:, None] & mk[None, :],
+                        other=0.0)
+            w = tl.load(W + e[:, None] * d + (k0 + k)[None, :], mask=me[:, None] & mk[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        tl.store(L + t.to(tl.int64)[:, None] * E + e[None, :], acc, mask=mt[:, None] & me[None, :])
+
+    @triton.jit
     def _gate_route(L, BIAS, TID2EID, TOK, OUT_W, OUT_IDS, E, route_scale, K: tl.constexpr, KP: tl.constexpr,
                     EP: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr):
         enter(PDL)
@@ -94,9 +115,21 @@ if HAVE_TRITON:
         tl.store(OUT_IDS + t * K + j, ids, mask=j < K)
 
 
+MMA_TOKENS = 256  # from this many tokens a step's logits run on the tensor cores (16-bit x and weight)
+
+
+def use_mma(x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> bool:
+    """Whether the logits take ``_gate_logits_mma``: a prefill-sized step of 16-bit x and weight of one dtype,
+    outside batch invariance (there every token's sum keeps the one order of ``_gate_logits``)."""
+    return (not invariant and x.shape[0] >= MMA_TOKENS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype)
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
-          token_ids: torch.Tensor, k: int, score_func: str, route_scale: float):
-    """x [N, d], weight [E, d] -> (weights [N, k] fp32, ids [N, k] int64), as ``Gate.forward``."""
+          token_ids: torch.Tensor, k: int, score_func: str, route_scale: float, invariant: bool = True):
+    """x [N, d], weight [E, d] -> (weights [N, k] fp32, ids [N, k] int64), as ``Gate.forward``. ``invariant``
+    False lets a prefill-sized step's logits run on the tensor cores (``use_mma``): each token's sum is then
+    in another order than a small step's."""
     N, d = x.shape
     E = weight.shape[0]
     x, weight = x.contiguous(), weight.contiguous()
@@ -104,10 +137,16 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2
     w = torch.empty(N, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=x.device)
     if N:
-        tokens = 1 if N <= 64 else 16  # decode: tokens x experts programs; prefill: expert rows read once per 16
-        _gate_logits[(triton.cdiv(N, tokens), triton.cdiv(E, BLOCK_E))](
-            x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=min(BLOCK_D, triton.next_power_of_2(d)),
-            TOKENS=tokens, num_warps=4, **pdl.args())
+        if use_mma(x, weight, invariant):
+            be = min(128, max(16, triton.next_power_of_2(E)))
+            _gate_logits_mma[(triton.cdiv(N, 64), triton.cdiv(E, be))](
+                x, x.stride(0), weight, logits, N, E, d=d, BM=64, BE=be, BK=64, num_warps=4, num_stages=3,
+                **pdl.args())
+        else:
+            tokens = 1 if N <= 64 else 16  # decode: tokens x experts programs; prefill: expert rows read once per 16
+            _gate_logits[(triton.cdiv(N, tokens), triton.cdiv(E, BLOCK_E))](
+                x, x.stride(0), weight, logits, N, E, d=d, BE=BLOCK_E, BD=min(BLOCK_D, triton.next_power_of_2(d)),
+                TOKENS=tokens, num_warps=4, **pdl.args())
         hashed = tid2eid is not None
         _gate_route[(N,)](logits, bias.float().contiguous() if bias is not None else logits,
                           tid2eid.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids,

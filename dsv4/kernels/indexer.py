@@ -4,7 +4,8 @@ Two kernels per CSA layer and step, for N query tokens whose visible compressed 
 table ``rows`` [N, E] (with ``valid`` [N, E]) into the layer's index-key storage [R, dI]:
 
 - ``_index_scores_kernel``: I(n, e) = sum_h w[n, h] * scale * ReLU(q[n, h] . key[rows[n, e]]), one program per
-  (token, block of entries), all heads in one ``tl.dot``; -inf where the entry is not visible.
+  (token, run of up to 8 blocks of 64 entries), all heads in one ``tl.dot`` a block; -inf where the entry is not
+  visible (a block with none visible skips its loads and product).
 - ``_topk_rows_kernel``: one program per token selects the k highest scores by a radix select over the
   scores' bits (four 8-bit histogram passes find the k-th largest value exactly), then writes the selected
   entries' rows in column order, ties at the threshold broken by the lowest column. Tokens with at most k
@@ -62,7 +63,11 @@ if HAVE_TRITON:
     @triton.jit
     def _index_scores_kernel(Q, stride_qn, stride_qh, W, stride_wn, KEYS, stride_k, ROWS, VALID, stride_r,
                              OUT, stride_o, E, scale, NH: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr,
-                             BD: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                             BD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr, IEEE: tl.constexpr,
+                             PDL: tl.constexpr):
+        """Token n's entries [e0, e0 + BLOCKS * BLOCK_E): q and w loaded once, then a block of entries at a time;
+        a block with no visible entry (a causal prefill's later columns) is stored -inf without its loads or
+        product."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.arange(0, BH)
@@ -71,18 +76,22 @@ if HAVE_TRITON:
         q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
         w = tl.load(W + n * stride_wn + offs_h, mask=hmask, other=0.0).to(tl.float32) * scale
-        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-        in_range = offs_e < E
-        rows = tl.load(ROWS + n * stride_r + offs_e, mask=in_range, other=0)
-        ok = (tl.load(VALID + n * stride_r + offs_e, mask=in_range, other=0) != 0) & in_range
-        k = tl.load(KEYS + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-                    mask=ok[:, None] & dmask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BH, BLOCK_E] fp32
-        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-        tl.store(OUT + n * stride_o + offs_e, tl.where(ok, score, float("-inf")), mask=in_range)
+        for blk in range(BLOCKS):
+            offs_e = (tl.program_id(1) * BLOCKS + blk) * BLOCK_E + tl.arange(0, BLOCK_E)
+            in_range = offs_e < E
+            ok = (tl.load(VALID + n * stride_r + offs_e, mask=in_range, other=0) != 0) & in_range
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                rows = tl.load(ROWS + n * stride_r + offs_e, mask=ok, other=0)
+                k = tl.load(KEYS + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+                            mask=ok[:, None] & dmask[None, :], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))  # [BH, BLOCK_E] fp32
+                score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+                tl.store(OUT + n * stride_o + offs_e, tl.where(ok, score, float("-inf")), mask=in_range)
+            else:
+                tl.store(OUT + n * stride_o + offs_e, tl.full([BLOCK_E], float("-inf"), tl.float32), mask=in_range)
 
     @triton.jit
     def _ordered_key(x):
@@ -144,6 +153,9 @@ if HAVE_TRITON:
                      mask=(ko >= count) & (ko < K))
 
 
+SCORE_BLOCKS = 8  # blocks of 64 entries a prefill's scores program takes one after another (q loaded once)
+
+
 def usable(q: torch.Tensor) -> bool:
     return on(q)
 
@@ -160,10 +172,13 @@ def index_scores_cuda(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows
     if N == 0 or E == 0:
         return out
     block_e = 64
+    # a run of blocks a program where the grid stays large (prefill), one block where it would get small (decode);
+    # a block's scores are the same bits either way
+    blocks = SCORE_BLOCKS if N * triton.cdiv(E, block_e) >= 8192 else 1
     BH, BD = max(16, triton.next_power_of_2(nI)), max(16, triton.next_power_of_2(dI))
-    _index_scores_kernel[(N, triton.cdiv(E, block_e))](
+    _index_scores_kernel[(N, triton.cdiv(E, block_e * blocks))](
         q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), rows, valid, rows.stride(0),
-        out, out.stride(0), E, (nI * dI) ** -0.5, NH=nI, DI=dI, BH=BH, BD=BD, BLOCK_E=block_e,
+        out, out.stride(0), E, (nI * dI) ** -0.5, NH=nI, DI=dI, BH=BH, BD=BD, BLOCK_E=block_e, BLOCKS=blocks,
         IEEE=q.dtype == torch.float32, num_warps=4, **pdl.args())
     return out
 

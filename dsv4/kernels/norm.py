@@ -5,8 +5,8 @@ is the CPU branch of ``dsv4.model.ops.rms_norm`` (float, square, mean, rsqrt, tw
 compressors' entries): the normed row is rounded to the input dtype, then rotated in fp32 like
 ``dsv4.kernels.rope`` (angles computed in the kernel, no fused multiply-adds), then rounded again; its twin is
 ``apply_rope(rms_norm(x, w, eps), rope)``. It can store its rows straight into a cache's rows (``out_rows``),
-which saves the scatter and the cast that would follow it. Even and odd channels are loaded as two halves, so a pair's
-partner is in registers."""
+which saves the scatter and the cast that would follow it. A row is loaded and stored contiguously and split into
+its pairs' even and odd halves in registers (``tl.split`` / ``tl.join``), so a pair's partner is at hand."""
 
 from __future__ import annotations
 
@@ -46,18 +46,18 @@ if HAVE_TRITON:
         enter(PDL)
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        c = tl.arange(0, D)
         i = tl.arange(0, D // 2)  # pair (2i, 2i+1)
         m = (h < Hm)[:, None]
-        src = X + n * stride_xn + h[:, None] * stride_xh + 2 * i[None, :]
-        a = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+        # the row loaded contiguously (vector loads), then split into its pairs' halves in registers
+        x = tl.load(X + n * stride_xn + h[:, None] * stride_xh + c[None, :], mask=m, other=0.0)
         # the weights and the angles' inputs loaded with x, before any sum or broadcast: one round trip
         in_rope = i >= (D - R) // 2
         j = tl.where(in_rope, i - (D - R) // 2, 0)
         pos, freq = angle_inputs(POS, FREQ, n, j, in_rope)
         if HAS_W:
-            wa = tl.load(W + 2 * i)
-            wb = tl.load(W + 2 * i + 1)
+            wa, wb = tl.split(tl.reshape(tl.load(W + c), (D // 2, 2)))
+        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, D // 2, 2)))
         cs, sn = cos_sin(pos, freq, in_rope)
         cs, sn = cs[None, :], sn[None, :]
         rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
@@ -71,9 +71,9 @@ if HAVE_TRITON:
         ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
         rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
         if SCATTER:  # row n goes to OUT[ROWS[n]] (a cache's rows, in its dtype)
-            dst = OUT + tl.load(ROWS + n).to(tl.int64) * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
+            dst = OUT + tl.load(ROWS + n).to(tl.int64) * stride_on + h[:, None] * stride_oh + c[None, :]
         else:
-            dst = OUT + n * stride_on + h[:, None] * stride_oh + 2 * i[None, :]
+            dst = OUT + n * stride_on + h[:, None] * stride_oh + c[None, :]
         # rounded to x's dtype, as the twin's rows; then, stored in a cache of another dtype, to that one
         ra = ra.to(X.dtype.element_ty).to(tl.float32)
         rb = rb.to(X.dtype.element_ty).to(tl.float32)
@@ -88,8 +88,8 @@ if HAVE_TRITON:
                              (BLOCK_H, D // 2))
             ra = tl.minimum(tl.maximum(tl.div_rn(ra, div), -448.0), 448.0)
             rb = tl.minimum(tl.maximum(tl.div_rn(rb, div), -448.0), 448.0)
-        tl.store(dst, ra.to(OUT.dtype.element_ty), mask=m)
-        tl.store(dst + 1, rb.to(OUT.dtype.element_ty), mask=m)
+        y = tl.reshape(tl.join(ra, rb), (BLOCK_H, D))  # the pairs interleaved again: contiguous stores
+        tl.store(dst, y.to(OUT.dtype.element_ty), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

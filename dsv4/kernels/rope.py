@@ -36,28 +36,38 @@ if HAVE_TRITON:
         return cos_sin(pos, freq, in_rope)
 
     @triton.jit
+    def rotate_pairs(x, cs, sn, BLOCK_H: tl.constexpr, RP: tl.constexpr):
+        """x [BLOCK_H, 2*RP] (pairs (2i, 2i+1) of a row's rope channels, loaded contiguously) rotated by cs, sn
+        [RP]: (a*cos - b*sin, a*sin + b*cos) per pair, as the twin's fp32 lines."""
+        a, b = tl.split(tl.reshape(x, (BLOCK_H, RP, 2)))
+        cs, sn = cs[None, :], sn[None, :]
+        return tl.reshape(tl.join(a * cs - b * sn, a * sn + b * cs), (BLOCK_H, 2 * RP))
+
+    @triton.jit
     def _rope_kernel(X, POS, FREQ, OUT, Hm, stride_xn, stride_xh, stride_on, stride_oh,
-                     D: tl.constexpr, R: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                     INVERSE: tl.constexpr, PDL: tl.constexpr):
+                     D: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DNP: tl.constexpr,
+                     BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr, PDL: tl.constexpr):
+        """Rows n, heads of a block: the R rope channels (the last of D) loaded contiguously, rotated, stored;
+        the D - R others copied unless OUT is X (``COPY_NOPE`` False: rotated in place)."""
         enter(PDL)
         n = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        c = tl.arange(0, DP)
-        m = (h < Hm)[:, None] & (c < D)[None, :]
-        in_rope = (c >= D - R) & (c < D)
-        row = X + n * stride_xn + h[:, None] * stride_xh
-        x = tl.load(row + c[None, :], mask=m, other=0.0).to(tl.float32)
-        xp = tl.load(row + (c ^ 1)[None, :], mask=m & in_rope[None, :], other=0.0).to(tl.float32)
-        j = tl.where(in_rope, (c - (D - R)) // 2, 0)
-        cs, sn = angles(POS, FREQ, n, j, in_rope)
-        cs, sn = cs[None, :], sn[None, :]
+        hm = (h < Hm)[:, None]
+        src = X + n * stride_xn + h[:, None] * stride_xh
+        dst = OUT + n * stride_on + h[:, None] * stride_oh
+        c = tl.arange(0, 2 * RP)
+        mr = hm & (c < R)[None, :]
+        x = tl.load(src + (D - R) + c[None, :], mask=mr, other=0.0).to(tl.float32)
+        i = tl.arange(0, RP)
+        cs, sn = angles(POS, FREQ, n, i, i < R // 2)
         if INVERSE:
             sn = -sn
-        even = ((c % 2) == 0)[None, :]
-        # pair (a, b) = (x[2i], x[2i+1]): even channel a*cos - b*sin, odd channel a*sin + b*cos
-        rot = tl.where(even, x * cs - xp * sn, xp * sn + x * cs)
-        y = tl.where(in_rope[None, :], rot, x)
-        tl.store(OUT + n * stride_on + h[:, None] * stride_oh + c[None, :], y.to(OUT.dtype.element_ty), mask=m)
+        y = rotate_pairs(x, cs, sn, BLOCK_H, RP)
+        tl.store(dst + (D - R) + c[None, :], y.to(OUT.dtype.element_ty), mask=mr)
+        if COPY_NOPE:
+            cn = tl.arange(0, DNP)
+            mn = hm & (cn < D - R)[None, :]
+            tl.store(dst + cn[None, :], tl.load(src + cn[None, :], mask=mn, other=0.0), mask=mn)
 
 
 def usable(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> bool:
@@ -87,14 +97,20 @@ def rows_by_head(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, 
             torch.empty(x3.shape, dtype=x.dtype, device=x.device) if alloc_out else None)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+               in_place: bool = False) -> torch.Tensor:
+    """x's rope channels rotated; ``in_place``: stored back into x's rope channels (the other channels are then
+    neither read nor written), else into a new tensor."""
     N, D, R = x.shape[0], x.shape[-1], 2 * table.shape[-1]
-    x3, table, positions, out = rows_by_head(x, table, positions)
+    x3, table, positions, out = rows_by_head(x, table, positions, alloc_out=not in_place)
+    out = x3 if in_place else out
     Hm = x3.shape[1]
-    DP = triton.next_power_of_2(D)
-    BLOCK_H = max(1, min(triton.next_power_of_2(max(Hm, 1)), 4096 // DP))
+    RP = max(1, triton.next_power_of_2(R // 2))
+    DNP = triton.next_power_of_2(max(D - R, 1))
+    BLOCK_H = max(1, min(triton.next_power_of_2(max(Hm, 1)), 4096 // max(DNP if not in_place else 1, 2 * RP)))
     if N and Hm:
         _rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
             x3, positions, table, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
-            D=D, R=R, DP=DP, BLOCK_H=BLOCK_H, INVERSE=inverse, enable_fp_fusion=False, **pdl.args())
-    return out.view(x.shape)
+            D=D, R=R, RP=RP, DNP=DNP, BLOCK_H=BLOCK_H, INVERSE=inverse, COPY_NOPE=not in_place,
+            enable_fp_fusion=False, **pdl.args())
+    return out.view(x.shape)  # (in place: x itself, or its copy by rows where x was not laid out so)

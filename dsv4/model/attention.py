@@ -187,7 +187,7 @@ class Indexer(nn.Module):
             return compressed
         keys, _ = backend.compressed(layer_id, "indexer", self.compressor, rows)  # [G, E, dI] or cache handles
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))  # [N, nI, dI]
-        q = apply_rope(q, rope)
+        q = apply_rope(q, rope, in_place=True)  # (wq_b's fresh output)
         w = xs["idx_w"]  # [N, nI]
         return backend.select_top(compressed, backend.group(q), backend.group(w), keys, self.topk)
 
@@ -286,7 +286,7 @@ class Attention(nn.Module):
                 compressed = self.indexer.select(xs, c_q, rope, compressed, backend, self.layer_id)
 
         o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
-        o = apply_rope(backend.ungroup(o), rope, inverse=True)  # de-rotate: values carried rope too
+        o = apply_rope(backend.ungroup(o), rope, inverse=True, in_place=True)  # de-rotate: values carried rope too
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
         o = grouped_linear(o, wo_a, self.wo_a.weight_scale)  # [N, g, o_lora]

@@ -43,7 +43,8 @@ class Gate(nn.Module):
             from ..kernels.gate import route
 
             return route(x, self.weight, None if self.is_hash else self.bias, self.tid2eid if self.is_hash else None,
-                         token_ids, self.cfg.n_experts_per_tok, self.cfg.score_func, self.cfg.route_scale)
+                         token_ids, self.cfg.n_experts_per_tok, self.cfg.score_func, self.cfg.route_scale,
+                         invariant=rows_active())
         logits = linear(x.float(), self.weight.float())
         if self.cfg.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()

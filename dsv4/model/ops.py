@@ -62,15 +62,16 @@ class Rope:
         return self._cos_sin
 
 
-def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: Rope, inverse: bool = False, in_place: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*rope.half channels of x (pairs (2i, 2i+1)) by the rows' angles; ``inverse`` uses
-    -angle.
+    -angle. ``in_place``: the caller gives x up, and the kernel may rotate it where it lies (reading and writing
+    the rope channels only); use the returned tensor either way.
 
     x: [N, ..., D] (the angles broadcast over the middle dims). On CUDA one Triton kernel does it
     (``dsv4.kernels.rope``, angles included); the lines below are its twin.
     """
     if x.is_cuda and rope_kernel.usable(x, rope.table, rope.positions):
-        return rope_kernel.apply_rope(x, rope.table, rope.positions, inverse)
+        return rope_kernel.apply_rope(x, rope.table, rope.positions, inverse, in_place)
     cos, sin = rope.cos_sin()
     half = rope.half
     nope, rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
