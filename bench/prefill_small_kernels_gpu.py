@@ -1,7 +1,7 @@
 """The small kernels of an 8k-token prefill chunk on flash-L4-E32's shapes, timed alone (CUDA events, median of
 5 single launches after one untimed): q's per-head norm + rope, the output's inverse rope (out of place, and in
-place on the rope channels only), the router's logits (per-token kernel, and the tensor-core kernel), and the
-indexer's scores over a causal prompt's compressed entries. Bytes are what each kernel must move at least;
+place on the rope channels only), the router's logits (per-token kernel, and the tensor-core kernel), the
+indexer's scores over a causal prompt's compressed entries and their top-k, and mHC's collapse. Bytes are what each kernel must move at least;
 GB/s is that over its time. The script runs on an older tree too (``PYTHONPATH`` at another checkout): what that
 tree lacks prints '-'.
 
@@ -72,6 +72,16 @@ def main():
     visible = int(valid.sum())
     add(f"indexer scores [{N}, {nI}, {dI}] x {Ecols} entries (causal)",
         lambda: indexer.index_scores_cuda(qi, wi, keys, erows, valid), visible * dI * 2 + N * Ecols * 4)
+    scores = indexer.index_scores_cuda(qi, wi, keys, erows, valid)
+    add(f"indexer top-{cfg.index_topk} of them", lambda: indexer.topk_rows_cuda(scores, erows, cfg.index_topk),
+        N * Ecols * 4)
+    from dsv4.kernels import mhc
+    X = torch.randn(N, cfg.hc_mult, cfg.hidden_size, device=dev, generator=g).to(bf)
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    fn = torch.randn(mix, cfg.hc_mult * cfg.hidden_size, device=dev, generator=g) * 0.01
+    base, sc = torch.zeros(mix, device=dev), torch.ones(3, device=dev)
+    add(f"mHC collapse [{N}, {cfg.hc_mult}, {cfg.hidden_size}] (mixing partials, collapse, Sinkhorn)",
+        lambda: mhc.hc_pre(X, fn, base, sc, 20, 1e-6, 1e-6), X.numel() * 2 + N * cfg.hidden_size * 2)
     print(f"{torch.cuda.get_device_name()}, {a.preset}, {N} tokens")
     print(table(["kernel", "us", "MB moved (least)", "GB/s"], rows))
 

@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--expert-format", default="dequantized", choices=["dequantized", "fp4"])
     ap.add_argument("--linear-format", default="dequantized", choices=["dequantized", "fp8"])
     ap.add_argument("--host", action="store_true", help="also the host's time by function (cProfile, own time)")
+    ap.add_argument("--ops", action="store_true",
+                    help="also the torch ops that launched kernels, by their own device time, with input shapes")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     cfg = get_preset(a.preset)
@@ -81,6 +83,16 @@ def main():
                f"{T} tokens in chunks of {a.chunk}",
                head + "\n\n" + table(["kind", "launches", "ms", "share"], kind_rows) + "\n\n"
                + table(["kernel", "launches", "ms", "us each", "share"], rows), a.append)
+        if a.ops:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                llm.generate([prompt], sp)
+                sync()
+            ops = [e for e in prof.key_averages(group_by_input_shape=True)
+                   if e.self_device_time_total > 0 and e.key.startswith("aten::")]
+            ops.sort(key=lambda e: -e.self_device_time_total)
+            print(table(["torch op", "input shapes", "calls", "own device ms"],
+                        [[e.key, str(e.input_shapes)[:90].replace("|", "/"), e.count,
+                          f"{e.self_device_time_total / 1e3:.2f}"] for e in ops[:a.top]]))
         if a.host:
             prof = cProfile.Profile()
             sync()

@@ -12,15 +12,15 @@ START=$SECONDS
 END=$((SECONDS + ${BUDGET:-560}))
 F="Warn|USDT|TRTLLM|cuda_graph_config|_warn_once"
 left() { echo $((END - SECONDS)); }
-PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "gate or rope or indexer or norm" \
+PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "gate or rope or indexer or norm or mhc" \
   2>&1 | tail -5
 cd bench
 for tree in "$BASE" "$ROOT"; do
   echo "== tree: $tree"
-  PYTHONPATH=$tree timeout $(left) python3 prefill_small_kernels_gpu.py 2>&1 | grep -Ev "$F" | tail -9
+  PYTHONPATH=$tree timeout $(left) python3 prefill_small_kernels_gpu.py 2>&1 | grep -Ev "$F" | tail -14
   PYTHONPATH=$tree timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 2>&1 | grep -Ev "$F" | tail -5
 done
-PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 24 2>&1 | grep -Ev "$F" | tail -40
+PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 24 --ops 2>&1 | grep -Ev "$F" | tail -64
 for tree in "$ROOT" "$BASE"; do
   [ $(left) -gt 90 ] && PYTHONPATH=$tree timeout $(left) python3 decode_floor.py --batch 1 32 2>&1 | grep -Ev "$F" | tail -6
 done

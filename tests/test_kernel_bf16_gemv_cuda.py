@@ -36,7 +36,8 @@ def test_bf16_row_kernel_matches_the_product(N, K, bn, M):
 def test_bf16_row_kernel_grouped_matches_the_product(G, N, K):
     """Grouped products (the attention's wo_a with bf16 weights: Flash's 8 groups, and groups of N not a multiple
     of BLOCK_N) at 1 to 4 rows: within cuBLAS's own error of the float64 product, each row bit for bit the row
-    alone; ``rows.grouped_linear`` takes the kernel there and einsum at 5 rows."""
+    alone; ``rows.grouped_linear`` takes the kernel there, and from 5 rows one batched GEMM that stores into the
+    [M, G, N] layout itself (contiguous: no copy after it), within cuBLAS's error as einsum."""
     from dsv4.kernels import bf16_gemv
     from dsv4.model import rows
 
@@ -52,8 +53,13 @@ def test_bf16_row_kernel_grouped_matches_the_product(G, N, K):
         e_cublas = rel_err(torch.einsum("mgk,gnk->mgn", x[:M], w).double(), ref)
         assert rel_err(out.double(), ref) <= 1.5 * e_cublas + 1e-4
         assert torch.equal(out, alone[:M]), M
-    assert not bf16_gemv.grouped_usable(x, w)  # five rows: einsum
+    assert not bf16_gemv.grouped_usable(x, w)  # five rows: the batched GEMM
     assert rel_err(rows.grouped_linear(x, w).double(), torch.einsum("mgk,gnk->mgn", x.double(), w.double())) < 1e-2
+    big = torch.randn(300, G, K, device="cuda", generator=g).bfloat16()
+    out = rows.grouped_linear(big, w)
+    ref = torch.einsum("mgk,gnk->mgn", big.double(), w.double())
+    e_cublas = rel_err(torch.einsum("mgk,gnk->mgn", big, w).double(), ref)
+    assert out.is_contiguous() and rel_err(out.double(), ref) <= 1.5 * e_cublas + 1e-4
 
 
 def test_bf16_row_kernel_takes_one_to_four_bf16_rows_only(monkeypatch):

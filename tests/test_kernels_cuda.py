@@ -414,12 +414,13 @@ def test_two_stage_argmax_equals_argmax(R, V):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, nI, dI, R, E, k", [(1, 64, 128, 3000, 2048, 512), (33, 64, 128, 900, 700, 512),
                                                 (5, 16, 16, 60, 40, 3), (4, 4, 24, 30, 20, 25),
-                                                (300, 64, 128, 3000, 2000, 512)])
+                                                (300, 64, 128, 3000, 2000, 512), (2, 16, 16, 60, 5000, 100)])
 def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
     """dsv4.kernels.indexer: the scores kernel against the gathered torch scores (float64), and the top-k kernel
     against the stable-sort twin on the same scores, exactly (rows, order, validity), ties included. 300 tokens
     take the prefill's runs of blocks a program (token 0's first half, with nothing visible, skipped), whose
-    scores are the bits a small step's one block a program gives."""
+    scores are the bits a small step's one block a program gives; 5000 entries are more than one tile of the
+    top-k kernel's passes."""
     from dsv4.kernels.indexer import index_scores_cuda, index_scores_torch, topk_rows_cuda, topk_rows_torch
 
     g = torch.Generator(device="cuda").manual_seed(N * 7 + E)

@@ -76,9 +76,13 @@ def grouped_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, G, K], weight [G, N, K] -> [M, G, N], each group's rows times its own weight (the attention's wo_a):
-    the row kernel where ``grouped_usable``, else one einsum."""
+    the row kernel where ``grouped_usable``, else one batched GEMM (einsum on the CPU)."""
     if grouped_usable(x, weight):
         return launch(x, weight.view(-1, weight.shape[-1]), groups=weight.shape[0])
+    if x.is_cuda:  # one batched GEMM storing each group's rows straight into [M, G, N] (no transposing copy after)
+        out = torch.empty(*x.shape[:-1], weight.shape[1], dtype=torch.result_type(x, weight), device=x.device)
+        torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
+        return out
     return torch.einsum("ngi,goi->ngo", x, weight)
 
 
