@@ -153,22 +153,26 @@ def test_overlapped_steps_on_every_rank_equal_one_process(ckpt, prompts, mode):
             llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["tp2", "tp2+ep2"])
+@pytest.mark.parametrize("mode", ["tp2", "tp2+ep2", "adp2+ep2"])
 def test_overlapped_mtp_steps_on_every_rank_equal_the_synchronous_ones(ckpt, prompts, single, mode):
     """MTP k=2 with the overlap scheduler on several ranks: a verify step is announced before the previous
-    step's acceptance is read back, so the driver broadcasts its plan's C column (the accepted drafts only its
+    step's acceptance is read back, so the driver broadcasts its plans' C columns (the accepted drafts only its
     device knows), the bonus tokens and drafts, the catch-up inputs from acceptance on its device and every
-    draft pass's tokens. Drafts are the known answer 70% of the time (a device proposer: both accept and
-    reject run). Greedy and stop-token requests give the single process's MTP-off tokens and the synchronous
-    run's, with the same acceptance; overlapped MTP steps happened (plans with unsettled rows sent)."""
+    draft pass's tokens. Under attention DP acceptance runs on the driver over both lanes' gathered logits and
+    inputs, and each lane's run of the catch-up inputs goes to its rank. Drafts are the known answer 70% of the
+    time (a device proposer: both accept and reject run). Greedy and stop-token requests give the single
+    process's MTP-off tokens and the synchronous run's, with the same acceptance; a sampled request (its draws
+    keyed by position, which an overlapped step takes from the device's C) gives the synchronous run's tokens;
+    overlapped MTP steps happened (plans with unsettled rows sent, in every lane under attention DP)."""
     from dsv4.engine.proposer import use_known_answers
 
     ref, _ = single
     answers = {tuple(p): r for p, r in zip(prompts, ref)}
-    sp = [SP8 for _ in prompts]
+    sp = [SP8 for _ in prompts] + [SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)]
     sp[1] = SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[ref[1][5]])
     want = [r[:r.index(ref[1][5]) + 1] if i == 1 else r for i, r in enumerate(ref)]
-    runs = []
+    prompts = prompts + [prompts[0]]
+    runs, drawn = [], []
     for overlap in (True, False):
         llm = LLM(ckpt, warmup=False, disable_overlap_scheduler=not overlap, speculative_config=MTP2, **KW,
                   **MODES[mode])
@@ -177,15 +181,18 @@ def test_overlapped_mtp_steps_on_every_rank_equal_the_synchronous_ones(ckpt, pro
             group, sent = llm.engine.runner.group, []
             send = group.send
             group.send = lambda m: (sent.append(m), send(m))[1]
-            assert _tokens(llm.generate(prompts, sp)) == want
+            got = _tokens(llm.generate(prompts, sp))
+            assert got[:-1] == want and len(got[-1]) == 8
+            drawn.append(got[-1])
             st = llm.get_stats()["speculative"]
             runs.append((st["num_accepted_tokens"], st["acceptance_rate"]))
-            shifted = sum(1 for m in sent if isinstance(m, ForwardMsg) and m.lanes[0].plan.get("unsettled"))
-            assert (shifted >= 3) == overlap, shifted
+            for lane in range(max(len(m.lanes) for m in sent if isinstance(m, ForwardMsg))):
+                shifted = sum(1 for m in sent if isinstance(m, ForwardMsg) and m.lanes[lane].plan.get("unsettled"))
+                assert (shifted >= 3) == overlap, (lane, shifted)
             assert llm.engine.overlaps_steps == overlap
         finally:
             llm.shutdown()
-    assert runs[0] == runs[1] and 0 < runs[0][1] < 1
+    assert runs[0] == runs[1] and 0 < runs[0][1] < 1 and drawn[0] == drawn[1]
 
 
 PAUSE_OUT = 40  # tokens each request of the pause test generates: pauses, several probes and a resume

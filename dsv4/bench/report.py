@@ -106,16 +106,14 @@ def _engine_section(llm, settings, model: str, model_path: str, model_kind: str)
 
 
 def _overlap(llm, cfg) -> str:
-    """on, or off and why (disable_overlap_scheduler, MTP steps with attention-DP lanes, a drafter that drafts
-    on the host)."""
+    """on, or off and why (disable_overlap_scheduler, a runner that takes host inputs only, a drafter that
+    drafts on the host)."""
     if llm.engine.overlaps_steps:
         return "on"
     if cfg.disable_overlap_scheduler:
         return "off (disable_overlap_scheduler)"
     if not llm.engine.runner.supports_overlap:
         return "off (the runner takes host inputs only)"
-    if not llm.engine.runner.drafts_from_device:
-        return "off (MTP steps with attention-DP lanes)"
     return "off (the drafter drafts on the host)"
 
 

@@ -131,8 +131,8 @@ class LLMEngine:
         its acceptance and drafts there too: the next step's positions come from the device (the cache plan's
         C column), its inputs are the device's bonus token and drafts, and the step's accepted rows are
         committed in two parts: those every outcome keeps at once, the rest (``cache.settle``) when read back.
-        A step that cannot overlap (overlap disabled, a proposer that drafts on the host, the multi-rank
-        driver) reads its own tokens as before.
+        A step that cannot overlap (overlap disabled, a proposer that drafts on the host) reads its own tokens
+        as before.
         """
         prev, self._pending = self._pending, None
         early: list[RequestOutput] = []

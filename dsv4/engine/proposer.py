@@ -85,7 +85,7 @@ class MtpProposer(Proposer):
     """Drafts from the MTP layer. The draft tokens of every pass stay on the device (greedy rows by argmax,
     sampled rows drawn on the device with their request's generator) and feed the next pass there; the host
     reads all k of them once, after the last pass. It drafts from acceptance on the device when the runner
-    can (the single-device runner; the multi-rank driver sends host ints to its ranks)."""
+    can (every runner does: the multi-rank driver broadcasts the inputs it computes from it to its ranks)."""
 
     def __init__(self, runner, draft_len: int):
         self.runner, self.draft_len = runner, draft_len

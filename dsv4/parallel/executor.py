@@ -52,11 +52,13 @@ exist only on the driver's device (PENDING in the host ids). The ForwardMsg name
 positions, flat indices into the previous step's token tensor) and the driver broadcasts that tensor over the
 data group right after the message (a device collective: on NCCL nobody waits for the host); every rank fills
 its inputs from it as the single-process runner does (``ModelRunner._step_inputs``). After an overlapped MTP
-step the requests' committed lengths are on the device too (``unsettled``): the driver broadcasts its plan's C
-column first and every rank builds its plan with the same shift. An MTP step's acceptance then stays on the
-driver's device, so the catch-up pass's inputs (``device_draft_inputs``) are broadcast as well; draft tokens
-always are (device tensors, never host ints). Attention-DP lanes settle their caches on the host: their MTP
-steps do not overlap (``drafts_from_device``).
+step the requests' committed lengths are on the device too (``unsettled``): the driver broadcasts the C column
+of every lane that has such requests first (one tensor, lanes in order; ``LanePlans.rows`` under attention DP)
+and every rank builds its plan with its lane's. An MTP step's acceptance then stays on the driver's device
+(under attention DP over every lane's gathered logits and the step's inputs, which the driver rebuilds for
+every lane from the host ids and the broadcast pending ones), so the catch-up pass's inputs
+(``device_draft_inputs``, for the whole batch, then each lane's run of it) are broadcast as well; draft tokens
+always are (device tensors, never host ints).
 
 Per-step state stays a value: each rank's plan is built from the message (R2); the only thing a rank keeps
 between two messages of one step is that step's (plan, streams, graphed), checked against the step number.
@@ -77,6 +79,7 @@ from ..engine.runner import (DraftInputs, DraftTokens, ModelRunner, TargetOutput
                              pending_inputs, target_inputs)
 from ..engine.spec import DeviceVerdict
 from ..engine.scheduler import ScheduledSeq
+from ..transfer import to_device
 from .comm import StopMsg
 
 
@@ -121,9 +124,9 @@ class ProposeMsg:
     lanes: tuple[DraftInputs, ...]  # host ints; with ``on_device`` only ``active`` (the rest is broadcast)
     draft_len: int
     any_active: bool  # draft passes 2..k run on every rank iff some lane drafts
-    # the inputs came from acceptance on the driver's device: its (next_ids [N], picks [B], new_lens [B]) follow
-    # as one broadcast of N + 2B int64 (N, B given here)
-    on_device: tuple[int, int] | None = None
+    # the inputs came from acceptance on the driver's device: each lane's (next_ids [N], picks [B], new_lens [B])
+    # follow, lanes in order, as one broadcast of int64 (each lane's (N, B) given here)
+    on_device: tuple[tuple[int, int], ...] | None = None
 
 
 # ---- plan arguments -----------------------------------------------------------------------------------------
@@ -195,8 +198,8 @@ class LaneRunner(ModelRunner):
         """What the driver and every rank set alike from the mapping, before their graphs are built. With one
         plan for every rank, as on one device: the MTP pass over each request's kept rows and the whole-step
         graphs (every rank computes the same greedy verdict and drafts from the same logits). Under attention DP
-        neither: the lanes' MoE gathers equal shares of rows, and their caches settle on the host (the driver
-        reads acceptance there)."""
+        neither: the lanes' MoE gathers equal shares of rows, and acceptance runs on the driver over every lane's
+        gathered logits (no rank holds what a whole step's verdict needs)."""
         self.mtp_tail_rows = self.whole_step_graphs = not attention_dp
 
     def _backend(self, plan):
@@ -213,17 +216,10 @@ class LaneRunner(ModelRunner):
 # ---- the driver ---------------------------------------------------------------------------------------------------
 class DistributedRunner(LaneRunner):
     """The engine's runner on rank 0: same ``forward`` / ``propose`` as ModelRunner, and every pass is
-    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). Steps overlap: what
-    only the driver's device knows is broadcast (see the module doc); MTP steps do not under attention DP
-    (``drafts_from_device``)."""
+    announced to the other ranks first. Any failure stops every rank (``RankGroup.fail``). Steps overlap, MTP
+    steps too: what only the driver's device knows is broadcast (see the module doc)."""
 
     supports_overlap = True
-
-    @property
-    def drafts_from_device(self) -> bool:
-        """Acceptance may stay on the device (MTP steps overlap) unless attention DP splits the batch into lanes
-        (their caches settle on the host)."""
-        return not self.dp
 
     def __init__(self, model, storage, device, attention_backend, group, mapping, batch_invariant: bool = False):
         super().__init__(model, storage, device, attention_backend, batch_invariant)
@@ -269,10 +265,9 @@ class DistributedRunner(LaneRunner):
             raise err from e
 
     def forward(self, seqs: list[ScheduledSeq], plan, prev=None, whole_step: bool = False) -> TargetOutput:
-        if prev is not None and prev.mtp is not None and not self.drafts_from_device:
-            raise RuntimeError("attention-DP lanes do not overlap MTP steps (drafts_from_device is False)")
         if whole_step and self.dp:
-            raise RuntimeError("attention-DP lanes have no whole-step graphs (acceptance is read on the host)")
+            raise RuntimeError("attention-DP lanes have no whole-step graphs (a rank holds only its lane's logits;"
+                               " acceptance runs on the driver)")
         return self._guard(self._forward, seqs, plan, prev, whole_step)
 
     def propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
@@ -308,8 +303,10 @@ class DistributedRunner(LaneRunner):
             values = prev.inputs.reshape(-1).to(torch.long).contiguous()
         self.group.send(ForwardMsg(self._step, tuple(works), graphed, 0 if values is None else values.numel(),
                                    whole_step))
-        if unsettled_count(works[0]):  # C of each request, known on the device only (an overlapped MTP step)
-            self.group.collectives.broadcast(local.rows[:local.num_seqs].to(torch.long).contiguous())
+        # C of each request of the lanes where some are known on the device only (an overlapped MTP step)
+        c_columns = [self._c_column(plan, lane) for lane, w in enumerate(works) if unsettled_count(w)]
+        if c_columns:
+            self.group.collectives.broadcast(torch.cat(c_columns).to(torch.long).contiguous())
         if values is not None:
             self.group.collectives.broadcast(values)
         X, logits0, inputs, step = self.run_target(local, works[0].token_ids, counts[0][1], graphed,
@@ -327,15 +324,56 @@ class DistributedRunner(LaneRunner):
                     per_seq[i] = lane_logits[lane][off:off + c]
                     off += c
         if self.dp:
-            return TargetOutput(X, per_seq)
-        return TargetOutput(X, per_seq, logits0, inputs, step)  # (one lane: acceptance may run on the device)
+            # acceptance on the device reads a step's drafts from its inputs: every lane's, rebuilt here
+            all_inputs = (self._lane_inputs(works, plans, inputs, values) if any(len(s.drafts) for s in seqs)
+                          else None)
+            return TargetOutput(X, per_seq, None, all_inputs)
+        return TargetOutput(X, per_seq, logits0, inputs, step)
+
+    @staticmethod
+    def _c_column(plan, lane: int) -> torch.Tensor:
+        """Lane ``lane``'s requests' C on the driver's device (one lane: its plan's C column)."""
+        if isinstance(plan, StepPlan):
+            return plan.rows[:plan.num_seqs]
+        first, count = plan.lane_span(lane)
+        return plan.rows[first:first + count]
+
+    def _lane_inputs(self, works, plans, local_inputs, values) -> torch.Tensor:
+        """The step's input ids of every lane's requests, batch order, on the driver's device: lane 0's from its
+        own pass, the others' from their host ids and the pending ones (``values``)."""
+        parts = []
+        for lane, (w, p) in enumerate(zip(works, plans)):
+            if p is None:
+                continue
+            if lane == 0:
+                parts.append(local_inputs[:p.num_tokens])
+                continue
+            dst, src = w.pending
+            ids = to_device([max(t, 0) for t in w.token_ids], self.device)
+            if dst:
+                at = to_device(list(dst) + list(src), self.device)
+                ids[at[:len(dst)]] = values[at[len(dst):]]
+            parts.append(ids)
+        return torch.cat(parts)
+
+    @staticmethod
+    def _lane_draft_inputs(full: DraftInputs, plan, lane: int) -> DraftInputs:
+        """Lane ``lane``'s run of the batch's MTP inputs on the device (its rows and tokens renumbered from 0)."""
+        first, count = plan.lane_span(lane)
+        start = sum(plan.num_new[:first])
+        n = sum(plan.num_new[first:first + count])
+        return DraftInputs(full.next_ids[start:start + n], full.picks[first:first + count] - start,
+                           full.new_lens[first:first + count],
+                           tuple(b - first for b in full.active if first <= b < first + count))
 
     def _propose(self, seqs, plan, target, num_accepted, drafting, draft_len, choose) -> DraftTokens:
         plans, local, lane_idx = self._lanes(seqs, plan)
         coll = self.group.collectives
-        on_device = isinstance(num_accepted, DeviceVerdict)  # one lane (drafts_from_device): inputs on the device
+        on_device = isinstance(num_accepted, DeviceVerdict)  # inputs from acceptance on the device
         if on_device:
-            inps = [draft_inputs_for(seqs, local, num_accepted, drafting)]
+            full = draft_inputs_for(seqs, plan, num_accepted, drafting)
+            inps = ([self._lane_draft_inputs(full, plan, lane) for lane in range(len(lane_idx))] if self.dp
+                    else [full])
         else:
             inps = [draft_inputs([seqs[i] for i in idx], plans[lane].num_computed if plans[lane] is not None else (),
                                  [num_accepted[i] for i in idx], [drafting[i] for i in idx])
@@ -343,11 +381,11 @@ class DistributedRunner(LaneRunner):
         if len(inps) == 1 and not inps[0].active and not local.mtp_keep_up:  # paused far from a probe: no pass
             return DraftTokens(len(seqs), (), None, inps[0].new_lens)
         if on_device:
-            inp = inps[0]
-            N, B = inp.next_ids.numel(), inp.picks.numel()
-            self.group.send(ProposeMsg(self._step, (DraftInputs((), (), (), inp.active),), draft_len,
-                                       bool(inp.active), (N, B)))
-            coll.broadcast(torch.cat([inp.next_ids, inp.picks, inp.new_lens]).to(torch.long).contiguous())
+            self.group.send(ProposeMsg(self._step, tuple(DraftInputs((), (), (), i.active) for i in inps), draft_len,
+                                       any(i.active for i in inps),
+                                       tuple((i.next_ids.numel(), i.picks.numel()) for i in inps)))
+            coll.broadcast(torch.cat([t for i in inps for t in (i.next_ids, i.picks, i.new_lens)])
+                           .to(torch.long).contiguous())
         else:
             self.group.send(ProposeMsg(self._step, tuple(inps), draft_len, any(i.active for i in inps)))
         any_active = any(i.active for i in inps)
@@ -373,7 +411,7 @@ class DistributedRunner(LaneRunner):
 
         self.run_drafts(local, target.streams, inps[0], draft_len, any_active, pick, self._graphed_step)
         if on_device:
-            new_lens = inps[0].new_lens
+            new_lens = full.new_lens
         else:
             lens = [0] * len(seqs)
             for idx, inp in zip(lane_idx, inps):
@@ -405,9 +443,11 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
         if isinstance(msg, ForwardMsg):
             work = msg.lanes[lane]
             c_column = None
-            if unsettled_count(work):  # the driver's C column (its requests' accepted drafts are on the device)
-                c_column = group.collectives.broadcast(torch.empty(unsettled_count(work), dtype=torch.long,
-                                                                   device=runner.device))
+            counts = [unsettled_count(w) for w in msg.lanes]
+            if sum(counts):  # the driver's C columns (its requests' accepted drafts are on the device), lanes in order
+                every = group.collectives.broadcast(torch.empty(sum(counts), dtype=torch.long, device=runner.device))
+                if counts[lane]:
+                    c_column = every[sum(counts[:lane]):sum(counts[:lane + 1])]
             plan = make_plan(layout, num_slots, work.plan, runner.device, c_column)
             values = None
             if msg.pending_ids:  # the driver's previous tokens (its broadcast follows the message)
@@ -427,9 +467,11 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
             _, plan, X, graphed = held
             held = None
             inp = msg.lanes[lane]
-            if msg.on_device:  # the driver's inputs from acceptance on its device
-                N, B = msg.on_device
-                buf = group.collectives.broadcast(torch.empty(N + 2 * B, dtype=torch.long, device=runner.device))
+            if msg.on_device:  # the driver's inputs from acceptance on its device, every lane's run in order
+                sizes = [N + 2 * B for N, B in msg.on_device]
+                buf = group.collectives.broadcast(torch.empty(sum(sizes), dtype=torch.long, device=runner.device))
+                N, B = msg.on_device[lane]
+                buf = buf[sum(sizes[:lane]):sum(sizes[:lane + 1])]
                 inp = DraftInputs(buf[:N], buf[N:N + B], buf[N + B:], inp.active)
             sizes = [len(i.active) for i in msg.lanes]
             first = sum(sizes[:lane])
