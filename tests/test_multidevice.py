@@ -502,6 +502,44 @@ def test_attention_dp_balances_and_pads_lanes():
     caches.check_integrity()
 
 
+def test_attention_dp_lanes_carry_an_overlapped_mtp_step():
+    """An overlapped MTP step in the lanes' bookkeeping: a verify step commits the rows every outcome keeps and
+    leaves its drafts unsettled in each lane's manager; the next step begins with the engine's shift (batch order,
+    lane 0's requests first): lane 0's plan adds its slice to its C column, lane 1's CPU plan zeros, and LanePlans
+    gives the whole batch's C (host lengths + shift) and its rows' positions; the verify step's extras settle in
+    each request's own lane; a batch that interleaves the lanes is refused."""
+    cfg = get_preset("tiny")
+    layout = CacheLayout(cfg, 2, 16)
+    managers = [KVCacheManager(layout, 4, 32) for _ in range(2)]
+    lane_of = {"a": 0, "c": 0, "b": 1}
+    caches = LaneCaches(managers, lane_of, layout, 4)
+    for rid in ("a", "c", "b"):
+        m = managers[lane_of[rid]]
+        assert m.admit(rid).ok and m.reserve(rid, 40).ok
+    order = ["a", "c", "b"]  # batch order: lane 0's, then lane 1's
+    prompt = caches.begin_step([SeqStep(r, n) for r, n in zip(order, (5, 6, 7))])
+    caches.commit_step(prompt, [5, 6, 7])
+    verify = caches.begin_step([SeqStep(r, 3, 2) for r in order])  # the bonus row and 2 drafts each
+    caches.commit_step(verify, [1, 1, 1], [2, 2, 2])  # the drafts' rows: known on the device only
+    assert [managers[lane_of[r]].num_unsettled(r) for r in order] == [2, 2, 2]
+    shift = torch.tensor([1, 0, 2])  # the drafts each accepted, on the device
+    nxt = caches.begin_step([SeqStep(r, 3, 2) for r in order], shift=shift)
+    assert nxt.unsettled == (2, 2, 2) and nxt.num_computed == (6, 7, 8) and nxt.step_id == verify.step_id + 1
+    assert nxt.rows.tolist() == [7, 7, 10]
+    assert nxt.plans[0].rows[:2].tolist() == [7, 7] and nxt.plans[1].rows[:1].tolist() == [8]  # (zeros: unread)
+    assert nxt.positions.tolist() == [7, 8, 9, 7, 8, 9, 10, 11, 12]
+    assert (nxt.lane_span(0), nxt.lane_span(1)) == ((0, 2), (2, 1))
+    caches.commit_step(nxt, [1, 1, 1], [2, 2, 2])
+    caches.settle(verify, {"a": 1, "c": 0, "b": 2})  # the verify step read back after the next one began
+    # host lengths: the prompt, both steps' kept row, the verify step's extras
+    assert [managers[lane_of[r]].num_computed(r) for r in order] == [8, 8, 11]
+    assert [managers[lane_of[r]].num_unsettled(r) for r in order] == [2, 2, 2]  # (the next step's)
+    caches.settle(nxt, {"a": 0, "c": 0, "b": 0})
+    caches.check_integrity()
+    with pytest.raises(ValueError, match="lane 0's first"):
+        caches.begin_step([SeqStep(r, 1) for r in ("a", "b", "c")])
+
+
 # ---- CUDA graphs on several ranks: the static-buffer path (capture=False) on the CPU -------------------------------
 @pytest.mark.parametrize("mode", ["tp2", "ep2", "adp2+ep2"])
 def test_graph_path_on_every_rank_token_identical(ckpt, prompts, single, mode, monkeypatch):
