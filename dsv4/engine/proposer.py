@@ -84,17 +84,14 @@ class Proposer:
 class MtpProposer(Proposer):
     """Drafts from the MTP layer. The draft tokens of every pass stay on the device (greedy rows by argmax,
     sampled rows drawn on the device with their request's generator) and feed the next pass there; the host
-    reads all k of them once, after the last pass. It drafts from acceptance on the device when the runner
-    can (every runner does: the multi-rank driver broadcasts the inputs it computes from it to its ranks)."""
+    reads all k of them once, after the last pass. It drafts from acceptance on the device (every runner's
+    ``propose`` takes a ``DeviceVerdict``: the multi-rank driver broadcasts the inputs it computes from it to its
+    ranks)."""
 
     def __init__(self, runner, draft_len: int):
         self.runner, self.draft_len = runner, draft_len
 
-    @property
-    def drafts_from_device(self) -> bool:
-        return self.runner.drafts_from_device
-
-    overlaps = drafts_from_device
+    drafts_from_device = overlaps = True
     in_step_graph = True
 
     def propose(self, seqs, plan, target, accepted, drafting) -> list[Proposal | None]:

@@ -213,7 +213,6 @@ class TargetOutput:
 
 class ModelRunner:
     supports_overlap = True  # the engine may feed it inputs still on the device (the overlap scheduler)
-    drafts_from_device = True  # ``propose`` takes acceptance still on the device (a ``DeviceVerdict``)
     whole_step_graphs = True  # with MTP, a graph bucket also captures the whole greedy step (graphs.StepGraphOut)
     # the engine may pause MTP drafting (spec_pause.py): steps of one row, keep-up passes (on several ranks too:
     # each lane's plan carries the keep-up decision, and the keep-up pass has no collective)

@@ -107,7 +107,8 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, in
     Hm = x3.shape[1]
     RP = max(1, triton.next_power_of_2(R // 2))
     DNP = triton.next_power_of_2(max(D - R, 1))
-    BLOCK_H = max(1, min(triton.next_power_of_2(max(Hm, 1)), 4096 // max(DNP if not in_place else 1, 2 * RP)))
+    width = 2 * RP if in_place else max(DNP, 2 * RP)  # the widest load a program makes per head
+    BLOCK_H = max(1, min(triton.next_power_of_2(max(Hm, 1)), 4096 // width))
     if N and Hm:
         _rope_kernel[(N, triton.cdiv(Hm, BLOCK_H))](
             x3, positions, table, out, Hm, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),

@@ -67,7 +67,7 @@ between two messages of one step is that step's (plan, streams, graphed), checke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -167,6 +167,12 @@ def make_plan(layout: CacheLayout, num_slots: int, args: dict, device,
     if c_column is not None:
         shift = c_column - torch.tensor(args["num_computed"], dtype=torch.long).to(c_column.device)
     return build_plan(layout, num_slots=num_slots, owner=0, device=device, shift=shift, **args)
+
+
+def lane_part(flat: torch.Tensor, sizes: Sequence[int], lane: int) -> torch.Tensor:
+    """Lane ``lane``'s part of a broadcast that holds every lane's, lanes in order (``sizes[l]`` values each)."""
+    start = sum(sizes[:lane])
+    return flat[start:start + sizes[lane]]
 
 
 def unsettled_count(work: "LaneWork") -> int:
@@ -447,7 +453,7 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
             if sum(counts):  # the driver's C columns (its requests' accepted drafts are on the device), lanes in order
                 every = group.collectives.broadcast(torch.empty(sum(counts), dtype=torch.long, device=runner.device))
                 if counts[lane]:
-                    c_column = every[sum(counts[:lane]):sum(counts[:lane + 1])]
+                    c_column = lane_part(every, counts, lane)
             plan = make_plan(layout, num_slots, work.plan, runner.device, c_column)
             values = None
             if msg.pending_ids:  # the driver's previous tokens (its broadcast follows the message)
@@ -471,7 +477,7 @@ def follow(group, runner: LaneRunner, layout: CacheLayout, num_slots: int, dp: b
                 sizes = [N + 2 * B for N, B in msg.on_device]
                 buf = group.collectives.broadcast(torch.empty(sum(sizes), dtype=torch.long, device=runner.device))
                 N, B = msg.on_device[lane]
-                buf = buf[sum(sizes[:lane]):sum(sizes[:lane + 1])]
+                buf = lane_part(buf, sizes, lane)
                 inp = DraftInputs(buf[:N], buf[N:N + B], buf[N + B:], inp.active)
             sizes = [len(i.active) for i in msg.lanes]
             first = sum(sizes[:lane])

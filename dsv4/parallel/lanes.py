@@ -54,20 +54,21 @@ class LanePlans:
     step_id: int = 0  # the step's own id among LaneCaches' steps (each lane's manager numbers its own)
     shift: torch.Tensor | None = None
 
-    def _busy(self):
-        return [p for p in self.plans if p is not None]
+    def _joined(self, field: str) -> tuple:
+        """A per-request tuple of the plans (``num_computed``, ...) for the whole batch: the busy lanes' in order."""
+        return tuple(v for p in self.plans if p is not None for v in getattr(p, field))
 
     @property
     def num_computed(self) -> tuple:
-        return tuple(c for p in self._busy() for c in p.num_computed)
+        return self._joined("num_computed")
 
     @property
     def unsettled(self) -> tuple:
-        return tuple(u for p in self._busy() for u in p.unsettled) if any(p.unsettled for p in self._busy()) else ()
+        return self._joined("unsettled")
 
     @property
     def num_new(self) -> tuple:
-        return tuple(n for p in self._busy() for n in p.num_new)
+        return self._joined("num_new")
 
     @cached_property
     def rows(self) -> torch.Tensor:
