@@ -156,6 +156,42 @@ def test_step_kinds_and_slow_steps_reach_the_metrics_and_the_log(monkeypatch, ca
     assert len(slow) == 4 and "(prefill: 1 requests, 4 new tokens)" in slow[0], slow
 
 
+class PausingEngine(FakeEngine):
+    """A FakeEngine with MTP stats: 2 drafts a step, 1 accepted, and drafting paused from step ``paused_from``
+    (None: never)."""
+
+    def __init__(self, paused_from: int | None):
+        super().__init__()
+        self.paused_from = paused_from
+
+    def get_stats(self) -> dict:
+        paused = self.paused_from is not None and self.num_steps >= self.paused_from
+        return {**super().get_stats(), "speculative": {"num_draft_tokens": 2 * self.num_steps,
+                                                      "num_accepted_tokens": self.num_steps,
+                                                      "pause": {"paused": paused}}}
+
+
+@pytest.mark.parametrize("paused_from, gauge", [(2, 1), (None, 0)])
+def test_the_drafting_paused_gauge_follows_the_engine(paused_from, gauge):
+    """dsv4:spec_decode_drafting_paused is the engine's pause state after its last step (1 paused, 0 drafting),
+    beside the draft counters taken from the same stats."""
+    metrics = ServerMetrics("fake")
+    client = EngineClient(EngineThread(_fake_llm(PausingEngine(paused_from))), metrics)
+
+    async def main():
+        client.start()
+        q = asyncio.Queue()
+        client.submit("a", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True), Sink(q, 0))
+        while (await asyncio.wait_for(q.get(), 30)).update.finish_reason is None:
+            pass
+        client.stop()
+
+    asyncio.run(main())
+    got = {s.name: s.value for fam in metrics.registry.collect() for s in fam.samples}
+    assert got["dsv4:spec_decode_drafting_paused"] == gauge
+    assert got["dsv4:spec_decode_num_draft_tokens_total"] == 2 * got["dsv4:spec_decode_num_accepted_tokens_total"] > 0
+
+
 @pytest.mark.parametrize("kind", ["text_completion", "chat.completion.chunk"])
 @pytest.mark.parametrize("with_usage", [False, True])
 @pytest.mark.parametrize("model", ["mini", 'odd "choices": [] ☃ name'])
