@@ -70,8 +70,12 @@ def main():
     erows = (cols + 1).expand(N, Ecols).contiguous()
     valid = (cols[None, :] < ((pos + 1) // ratio)[:, None]).contiguous()  # a causal prompt's closed windows
     visible = int(valid.sum())
-    add(f"indexer scores [{N}, {nI}, {dI}] x {Ecols} entries (causal)",
-        lambda: indexer.index_scores_cuda(qi, wi, keys, erows, valid), visible * dI * 2 + N * Ecols * 4)
+    tiles = "invariant" in inspect.signature(indexer.index_scores_cuda).parameters
+    add(f"indexer scores [{N}, {nI}, {dI}] x {Ecols} entries (causal), a token at a time",
+        lambda: indexer.index_scores_cuda(qi, wi, keys, erows, valid, **({"invariant": True} if tiles else {})),
+        visible * dI * 2 + N * Ecols * 4)
+    add("indexer scores, tiles of tokens x entries",
+        (lambda: indexer.index_scores_cuda(qi, wi, keys, erows, valid)) if tiles else None, N * Ecols * 4)
     scores = indexer.index_scores_cuda(qi, wi, keys, erows, valid)
     add(f"indexer top-{cfg.index_topk} of them", lambda: indexer.topk_rows_cuda(scores, erows, cfg.index_topk),
         N * Ecols * 4)

@@ -23,7 +23,7 @@ def test_static_bucket_path_equals_torch_path(kernel_path_on_cpu, k, kv, monkeyp
     as the cache's reads do)."""
     selections = []  # the indexer's compacted top-k rows (tiny: index_topk 3) are what attention reads
     select = cuda_backend.select_top_rows
-    monkeypatch.setattr(cuda_backend, "select_top_rows", lambda *a: selections.append(a[-1]) or select(*a))
+    monkeypatch.setattr(cuda_backend, "select_top_rows", lambda *a, **kw: selections.append(a[-1]) or select(*a, **kw))
     rng = random.Random(k)
     prompts = [[rng.randrange(2, 256) for _ in range(L)] for L in (1, 9, 40, 130, 3)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)

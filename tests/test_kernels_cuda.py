@@ -416,11 +416,12 @@ def test_two_stage_argmax_equals_argmax(R, V):
                                                 (5, 16, 16, 60, 40, 3), (4, 4, 24, 30, 20, 25),
                                                 (300, 64, 128, 3000, 2000, 512), (2, 16, 16, 60, 5000, 100)])
 def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
-    """dsv4.kernels.indexer: the scores kernel against the gathered torch scores (float64), and the top-k kernel
+    """dsv4.kernels.indexer: the scores kernels against the gathered torch scores (float64), and the top-k kernel
     against the stable-sort twin on the same scores, exactly (rows, order, validity), ties included. 300 tokens
-    take the prefill's runs of blocks a program (token 0's first half, with nothing visible, skipped), whose
-    scores are the bits a small step's one block a program gives; 5000 entries are more than one tile of the
-    top-k kernel's passes."""
+    take the tiles of tokens x entries (each token its own rows here: every tile falls back to a token at a
+    time) and, under batch invariance, the prefill's runs of blocks a program (token 0's first half, with nothing
+    visible, skipped), whose scores are the bits a small step's one block a program gives; 5000 entries are more
+    than one tile of the top-k kernel's passes."""
     from dsv4.kernels.indexer import index_scores_cuda, index_scores_torch, topk_rows_cuda, topk_rows_torch
 
     g = torch.Generator(device="cuda").manual_seed(N * 7 + E)
@@ -436,15 +437,46 @@ def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
     ref = index_scores_torch(q.double(), w.double(), keys.double(), rows, valid)
     _poison_allocator(N * E, torch.float32)
     scores = index_scores_cuda(q, w, keys, rows, valid)
+    invariant = index_scores_cuda(q, w, keys, rows, valid, invariant=True)
     assert torch.equal(scores.isfinite(), valid)
-    assert torch.equal(index_scores_cuda(q[:3], w[:3], keys, rows[:3], valid[:3]), scores[:3])
-    assert rel_err(scores[valid], ref[valid]) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(index_scores_cuda(q[:3], w[:3], keys, rows[:3], valid[:3]), invariant[:3])
+    for got in (scores, invariant):
+        assert rel_err(got[valid], ref[valid]) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     quant = (scores * 4).round() / 4  # many ties, -0.0 among them
     for s in (scores, quant):
         _poison_allocator(2 * N * k, torch.float32)  # NaN bytes: a huge int64 row where nothing is written
         got_rows, got_valid = topk_rows_cuda(s, rows, k)
         want_rows, want_valid = topk_rows_torch(s, rows, k)
         assert torch.equal(got_valid, want_valid) and torch.equal(got_rows, want_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N, nI, dI, E", [(300, 64, 128, 200), (700, 16, 32, 300)])
+def test_indexer_scores_in_tiles_of_a_prompts_tokens(dtype, N, nI, dI, E):
+    """Prompts' tokens share their request's entry rows with a causal visibility: the tiles of tokens x entries
+    take one load of the keys and a GEMM a head. Two requests whose boundary falls inside a tile (that tile takes
+    a token at a time), against the float64 twin and against the scores a token at a time."""
+    from dsv4.kernels import indexer
+
+    g = torch.Generator(device="cuda").manual_seed(N + E)
+    q = torch.randn(N, nI, dI, device="cuda", generator=g).to(dtype)
+    w = torch.randn(N, nI, device="cuda", generator=g).to(dtype)
+    keys = torch.randn(2 * E + 7, dI, device="cuda", generator=g).to(dtype)
+    cut = N // 2 + 5  # not a multiple of the tile's tokens
+    first = torch.randperm(2 * E + 7, device="cuda", generator=g)[:E]
+    second = torch.randperm(2 * E + 7, device="cuda", generator=g)[:E]
+    rows = torch.where(torch.arange(N, device="cuda")[:, None] < cut, first, second)
+    pos = torch.cat([torch.arange(cut), torch.arange(N - cut) + 3 * E]).to("cuda")  # the second later in its sequence
+    valid = torch.arange(E, device="cuda")[None, :] < ((pos + 1) // 4)[:, None]
+    assert N >= indexer.SHARED_MIN_TOKENS
+    ref = indexer.index_scores_torch(q.double(), w.double(), keys.double(), rows, valid)
+    _poison_allocator(N * E, torch.float32)
+    scores = indexer.index_scores_cuda(q, w, keys, rows, valid)
+    one_at_a_time = indexer.index_scores_cuda(q, w, keys, rows, valid, invariant=True)
+    assert torch.equal(scores.isfinite(), valid)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(scores[valid], ref[valid]) < tol
+    assert rel_err(scores[valid], one_at_a_time[valid].double()) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

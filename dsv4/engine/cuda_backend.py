@@ -116,7 +116,8 @@ class CudaBackend(CachedBackend):
         """Score the index keys where they lie and keep k entry rows per token (``dsv4.kernels.indexer``): the
         attention kernel then reads k entries instead of all visible ones."""
         entries, _ = compressed
-        rows, valid = select_top_rows(q[:, 0], w[:, 0], keys.storage, keys.index, keys.valid, k)
+        rows, valid = select_top_rows(q[:, 0], w[:, 0], keys.storage, keys.index, keys.valid, k,
+                                      invariant=rows_fixed())
         return CacheRows(entries.storage, rows, valid, entries.scale), valid.unsqueeze(1)
 
     def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float):
