@@ -67,7 +67,7 @@ def kernels():
     }
 
 
-def compile_sm90(fn, types: dict, consts: dict, div16, warps: int, out: str, name: str) -> dict:
+def compile_sm90(fn, types: dict, consts: dict, div16, warps: int, out: str, name: str, stages: int = 1) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,7 +76,7 @@ def compile_sm90(fn, types: dict, consts: dict, div16, warps: int, out: str, nam
     sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16 if a in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     os.makedirs(out, exist_ok=True)
     cubin = os.path.join(out, f"{name}.cubin")

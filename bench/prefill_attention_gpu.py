@@ -29,8 +29,9 @@ TILES = ["auto", None, (16, 32, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2), (64, 32, 
          (64, 64, 16, 2)]
 
 
-def chunk(N, H, D, W, kind, g, start=0):
-    """q, sources and the sink of one N-token chunk whose first token is at position ``start``."""
+def chunk(N, H, D, W, kind, g, start=0, hot=False):
+    """q, sources and the sink of one N-token chunk whose first token is at position ``start``. ``hot``: every
+    token's entries name the first 64 rows (a diagnosis: the same keys for every token, always in L2)."""
     q = torch.randn(N, H, D, device="cuda", generator=g).bfloat16()
     pos = start + torch.arange(N, device="cuda")
     win = torch.randn(N + W, D, device="cuda", generator=g).bfloat16()  # the ring copy (W rows), the chunk's
@@ -50,6 +51,8 @@ def chunk(N, H, D, W, kind, g, start=0):
         else:
             i2 = (torch.rand(N, K2, device="cuda", generator=g) * seen.clamp(min=1)[:, None]).long()
             v2 = torch.arange(K2, device="cuda")[None, :] < seen[:, None]
+        if hot:
+            i2 = i2 % min(64, R2)
         sources.append((rows, i2, v2))
     sink = torch.randn(H, device="cuda", generator=g)
     return q, sources, sink
@@ -63,23 +66,31 @@ def main():
     ap.add_argument("--kinds", nargs="+", default=["window", "HCA", "CSA"])
     ap.add_argument("--tiles", nargs="*", default=None, help="tiles to try, each BLOCK_H/BLOCK_K/warps/stages"
                     " (default: a sweep; the default tile is always timed)")
+    ap.add_argument("--skip", nargs="*", default=["1"],
+                    help="the single pass's SKIP flags to time (0, 1: sparse_attention.SKIP)")
+    ap.add_argument("--hot", action="store_true", help="also each kind with every token's entries in the same 64 rows")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     H, D, W = 64, 512, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = D ** -0.5
     rows_out = []
-    for N, kind in [(n, k) for n in a.tokens for k in a.kinds]:
-        q, sources, sink = chunk(N, H, D, W, kind, g, a.start)
+    cases = [(n, k, False) for n in a.tokens for k in a.kinds]
+    cases += [(n, k, True) for n in a.tokens for k in a.kinds if a.hot and k == "CSA"]
+    for N, kind, hot in cases:
+        q, sources, sink = chunk(N, H, D, W, kind, g, a.start, hot)
+        kind = kind + (" (hot rows)" if hot else "")
         pairs = sum(int(v.sum()) for _, _, v in sources)
         flops = 4 * H * D * pairs
         sub = slice(max(N - 256, 0), N)  # the last 256 tokens
         ref = sa.sparse_sink_attention_ref(q[sub].double(), [(r.double(), i[sub], v[sub]) for r, i, v in sources],
                                            sink.double(), scale)
         tiles = TILES if a.tiles is None else ["auto", None] + [tuple(int(x) for x in t.split("/")) for t in a.tiles]
-        for tile in tiles:
+        for tile, skip in [(t, v) for v in a.skip for t in tiles]:
+            sa.SKIP = bool(int(skip))
             name = {"auto": "auto (the path taken)", None: "single pass, default tile"}.get(tile) or "/".join(
                 str(x) for x in tile)
+            name += f", SKIP {skip}"
             try:
                 if tile == "auto":
                     fn = lambda: sa.sparse_sink_attention(q, sources, sink, scale)
@@ -93,8 +104,8 @@ def main():
             rows_out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
         del q, sources
     report(f"Sparse sink attention, chunks from position {a.start}, H={H} D={D}, bf16: single-pass tiles",
-           table(["tokens", "layer kind", "BLOCK_H/BLOCK_K/warps/stages", "rel err vs fp64", "ms", "TFLOP/s"],
-                 rows_out), a.append)
+           table(["tokens", "layer kind", "BLOCK_H/BLOCK_K/warps/stages, SKIP", "rel err vs fp64", "ms",
+                  "TFLOP/s"], rows_out), a.append)
 
 
 if __name__ == "__main__":

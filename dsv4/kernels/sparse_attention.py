@@ -11,7 +11,8 @@ sink logit in the softmax denominator:
 Two Triton paths, each with programs of ``BLOCK_H`` heads of one token (q rows share every key read):
 
 * single pass (``_sparse_sink_attn_kernel``, grid (N, head blocks)): one program runs over all K1 + K2 keys
-  of its token with an online softmax that starts from the sink. Taken when N x head blocks fills the GPU
+  of its token (one loop over both sources' blocks, up to the token's last valid column of each) with an
+  online softmax that starts from the sink. Taken when N x head blocks fills the GPU
   well enough (``split_for``); from ``WIDE_TOKENS`` tokens on (prefill chunks) with the wide tile of
   ``wide_tile``: 64 heads a program, so each key is read once per token.
 * split KV, flash decoding (``_split_partial_kernel`` then ``_split_merge_kernel``), taken for small batches:
@@ -26,7 +27,7 @@ Two Triton paths, each with programs of ``BLOCK_H`` heads of one token (q rows s
   -inf - -inf). Then acc / l in q's dtype; a token with no valid key gets 0.
 
 Batch invariance: within a path, a token's result depends on its own rows and on the tables' column counts
-K1, K2 alone (the chunking and every tile size follow from K1, K2, H, D and the dtype). The path and the tile
+K1, K2 alone (the single pass: on its own rows alone) (the chunking and every tile size follow from K1, K2, H, D and the dtype). The path and the tile
 follow from N (``split_for``, ``WIDE_TOKENS``), so across their thresholds a token's rounding depends on the
 batch size; ``split=0`` keeps one path and tile for every N. Within
 a path, extra trailing columns of the last source that are invalid for the token (the compressed entries'
@@ -138,29 +139,51 @@ if HAVE_TRITON:
         return kv, ok
 
     @triton.jit
+    def _valid_end(VAL, n, stride_i, K, BLOCK: tl.constexpr):
+        """1 + the last of token n's K columns that is valid (0 when none is): key blocks past it add nothing."""
+        end = 0
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            v = tl.load(VAL + n * stride_i + offs, mask=offs < K, other=0) != 0
+            end = tl.maximum(end, tl.max(tl.where(v, offs + 1, 0), axis=0))
+        return end
+
+    @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
                                  KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
                                  KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program."""
+                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                                 SKIP: tl.constexpr, PDL: tl.constexpr):
+        """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
+        sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
+        a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
+        bench/prefill_attention_gpu.py). SKIP: each source's blocks end at the token's last valid column (the
+        blocks after it add exact zeros: scores -inf, so m, l and acc are unchanged)."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_d = tl.arange(0, D)
+        if SKIP:
+            E1 = _valid_end(VAL1, n, stride_i1, K1, 256)
+            E2 = _valid_end(VAL2, n, stride_i2, K2, 256)
+        else:
+            E1 = K1
+            E2 = K2
         q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
         # the sink starts the running max and contributes exp(sink - m) to the denominator, no value
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         l = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for k0 in range(0, K1, BLOCK_K):
-            kv, ok = _load_block(n, KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
-                                 k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
-            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
-        for k0 in range(0, K2, BLOCK_K):
-            kv, ok = _load_block(n, KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
-                                 k0 + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
+        nb1 = tl.cdiv(E1, BLOCK_K)
+        for b in range(0, nb1 + tl.cdiv(E2, BLOCK_K)):  # source 1's blocks, then source 2's
+            two = b >= nb1
+            kv, ok = _load_block(n, tl.where(two, KV2, KV1), tl.where(two, stride_kv2, stride_kv1),
+                                 tl.where(two, SC2, SC1), tl.where(two, stride_sc2, stride_sc1),
+                                 tl.where(two, IDX2, IDX1), tl.where(two, VAL2, VAL1),
+                                 tl.where(two, stride_i2, stride_i1), tl.where(two, K2, K1),
+                                 (b - tl.where(two, nb1, 0)) * BLOCK_K + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
             m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
         out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -248,6 +271,10 @@ if HAVE_TRITON:
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
 
 
+SKIP = True  # the single pass stops each source at the token's last valid column (an 8k chunk's CSA layer 3.36 ->
+# 3.29 ms, window 1.08 -> 1.13 and HCA 1.35 -> 1.42 on an H100: even there; a short prompt's CSA layers skip more)
+
+
 SPLIT_PROGRAMS = 64  # single-pass programs (tokens x head blocks) from which the single pass is faster
 
 
@@ -316,7 +343,7 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
             kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            num_warps=num_warps, **extra, **pdl.args())
+            SKIP=SKIP, num_warps=num_warps, **extra, **pdl.args())
         return out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
