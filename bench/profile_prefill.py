@@ -13,7 +13,7 @@ import pstats
 import random
 
 from common import report, sync, table, timed
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from dsv4 import LLM, SamplingParams
 from dsv4.config import get_preset
@@ -37,6 +37,37 @@ def kind_of(name: str) -> str:
     return "other (torch elementwise, copies, ...)"
 
 
+def timeline(llm, prompt, sp, T, top, append):
+    """One generate under the profiler: its wall range (a record_function around it) against the union of its
+    kernels' device intervals, on the profiler's one clock."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("generate"):
+            llm.generate([prompt], sp)
+            sync()
+    events = prof.events()
+    span = next(e for e in events if e.name == "generate" and e.device_type.name == "CPU")
+    t0, t1 = span.time_range.start, span.time_range.end
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                if e.device_type.name == "CUDA" and e.name != "generate" and t0 <= e.time_range.start <= t1)
+    busy, gaps, end = 0.0, [], None
+    for s, e, name in ks:
+        if end is not None and s > end[0]:
+            gaps.append((s - end[0], end[1], name))
+        if end is None or e > end[0]:
+            busy += e - max(s, end[0]) if end is not None else e - s
+            end = (e, name)
+    gaps.sort(reverse=True)
+    lead, tail = ks[0][0] - t0, t1 - end[0]
+    rows = [["wall (generate)", f"{(t1 - t0) / 1e3:.2f}"], ["before the first kernel", f"{lead / 1e3:.2f}"],
+            ["kernels running (union)", f"{busy / 1e3:.2f}"],
+            [f"idle between kernels ({len(gaps)} gaps)", f"{sum(g for g, _, _ in gaps) / 1e3:.2f}"],
+            ["after the last kernel", f"{tail / 1e3:.2f}"]]
+    report(f"Where one {T}-token prefill's wall time goes (device timeline)",
+           table(["part", "ms"], rows) + "\n\n" + table(
+               ["idle gap us", "after kernel", "before kernel"],
+               [[f"{g:.0f}", a[:60].replace("|", "/"), b[:60].replace("|", "/")] for g, a, b in gaps[:top]]), append)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="flash-L4-E32")
@@ -48,6 +79,9 @@ def main():
     ap.add_argument("--host", action="store_true", help="also the host's time by function (cProfile, own time)")
     ap.add_argument("--ops", action="store_true",
                     help="also the torch ops that launched kernels, by their own device time, with input shapes")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also where the TTFT's wall time goes on the device's timeline: before the first kernel, "
+                         "between kernels (the longest idle gaps, with the kernels around them), after the last")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
     cfg = get_preset(a.preset)
@@ -93,6 +127,8 @@ def main():
             print(table(["torch op", "input shapes", "calls", "own device ms"],
                         [[e.key, str(e.input_shapes)[:90].replace("|", "/"), e.count,
                           f"{e.self_device_time_total / 1e3:.2f}"] for e in ops[:a.top]]))
+        if a.gaps:
+            timeline(llm, prompt, sp, T, a.top, a.append)
         if a.host:
             prof = cProfile.Profile()
             sync()
@@ -106,6 +142,12 @@ def main():
                    " in the call that synchronises)",
                    table(["function", "calls", "own ms"], [[f"{f[0].split('/')[-1]}:{f[1]} {f[2]}".replace("|", "/"),
                                                            nc, f"{tt * 1e3:.2f}"] for tt, nc, f in top]), a.append)
+            ours = sorted(((ct, nc, f) for f, (_, nc, _, ct, _) in st.stats.items() if "/dsv4/" in f[0]),
+                          reverse=True)[:a.top]
+            report("The same, dsv4's functions by cumulative time",
+                   table(["function", "calls", "cumulative ms"],
+                         [[f"{f[0].split('/dsv4/')[-1]}:{f[1]} {f[2]}".replace("|", "/"), nc, f"{ct * 1e3:.2f}"]
+                          for ct, nc, f in ours]), a.append)
 
 
 if __name__ == "__main__":
