@@ -68,6 +68,19 @@ if HAVE_TRITON:
     from .pdl import enter
 
     @triton.jit
+    def _token_scores(q, w, KEYS, stride_k, row_ptrs, ok, offs_d, dmask, IEEE: tl.constexpr):
+        """One token's scores over a block of entries: q [BH, BD] and w [BH] (scaled) against the keys of the rows
+        at ``row_ptrs`` where ``ok``, all heads in one dot, their ReLU weighted and summed over the heads."""
+        rows = tl.load(row_ptrs, mask=ok, other=0)
+        k = tl.load(KEYS + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :], mask=ok[:, None] & dmask[None, :],
+                    other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BH, BLOCK_E] fp32
+        return tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+
+    @triton.jit
     def _index_scores_kernel(Q, stride_qn, stride_qh, W, stride_wn, KEYS, stride_k, ROWS, VALID, stride_r,
                              OUT, stride_o, E, scale, NH: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr,
                              BD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr, IEEE: tl.constexpr,
@@ -88,14 +101,7 @@ if HAVE_TRITON:
             in_range = offs_e < E
             ok = (tl.load(VALID + n * stride_r + offs_e, mask=in_range, other=0) != 0) & in_range
             if tl.max(ok.to(tl.int32), axis=0) > 0:
-                rows = tl.load(ROWS + n * stride_r + offs_e, mask=ok, other=0)
-                k = tl.load(KEYS + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-                            mask=ok[:, None] & dmask[None, :], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))  # [BH, BLOCK_E] fp32
-                score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+                score = _token_scores(q, w, KEYS, stride_k, ROWS + n * stride_r + offs_e, ok, offs_d, dmask, IEEE)
                 tl.store(OUT + n * stride_o + offs_e, tl.where(ok, score, float("-inf")), mask=in_range)
             else:
                 tl.store(OUT + n * stride_o + offs_e, tl.full([BLOCK_E], float("-inf"), tl.float32), mask=in_range)
@@ -152,14 +158,8 @@ if HAVE_TRITON:
                         q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
                                     mask=hmask[:, None] & dmask[None, :], other=0.0)
                         w = tl.load(W + n * stride_wn + offs_h, mask=hmask, other=0.0).to(tl.float32) * scale
-                        r = tl.load(ROWS + n * stride_r + offs_e, mask=ok_n, other=0)
-                        kn = tl.load(KEYS + r.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-                                     mask=ok_n[:, None] & dmask[None, :], other=0.0)
-                        if IEEE:
-                            s = tl.dot(q, tl.trans(kn), input_precision="ieee")
-                        else:
-                            s = tl.dot(q, tl.trans(kn))  # [BH, BLOCK_E]
-                        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+                        score = _token_scores(q, w, KEYS, stride_k, ROWS + n * stride_r + offs_e, ok_n, offs_d, dmask,
+                                              IEEE)
                         tl.store(OUT + n * stride_o + offs_e, tl.where(ok_n, score, float("-inf")), mask=emask)
 
     @triton.jit
