@@ -24,7 +24,14 @@ def to_device(values: Sequence[int] | np.ndarray, device, dtype=torch.long) -> t
         out = _ring(device).copy(values)  # work is queued: stage through pinned memory
         if out is not None:
             return out
-    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    # a list of ints through numpy: about 3x less host time than torch.tensor of it at every length (this CPU
+    # machine: 0.18 against 0.55 ms for an 8k prompt's ids, 1.5 against 4.2 us for 4)
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values)
+    elif dtype == torch.long:
+        host = torch.from_numpy(np.asarray(values, dtype=np.int64))
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda" or torch.cuda.current_stream(device).query():  # nothing queued: nothing to wait for
         return host.to(device)
     return pinned_copy(host, device)
