@@ -27,7 +27,8 @@ Two Triton paths, each with programs of ``BLOCK_H`` heads of one token (q rows s
   -inf - -inf). Then acc / l in q's dtype; a token with no valid key gets 0.
 
 Batch invariance: within a path, a token's result depends on its own rows and on the tables' column counts
-K1, K2 alone (the single pass: on its own rows alone) (the chunking and every tile size follow from K1, K2, H, D and the dtype). The path and the tile
+K1, K2 alone (the split path's chunking follows from K1, K2; every tile size from H, D and the dtype; the single
+pass depends on the token's own rows alone). The path and the tile
 follow from N (``split_for``, ``WIDE_TOKENS``), so across their thresholds a token's rounding depends on the
 batch size; ``split=0`` keeps one path and tile for every N. Within
 a path, extra trailing columns of the last source that are invalid for the token (the compressed entries'

@@ -79,7 +79,6 @@ from ..engine.runner import (DraftInputs, DraftTokens, ModelRunner, TargetOutput
                              pending_inputs, target_inputs)
 from ..engine.spec import DeviceVerdict
 from ..engine.scheduler import ScheduledSeq
-from ..transfer import to_device
 from .comm import StopMsg
 
 
@@ -355,11 +354,8 @@ class DistributedRunner(LaneRunner):
                 parts.append(local_inputs[:p.num_tokens])
                 continue
             dst, src = w.pending
-            ids = to_device([max(t, 0) for t in w.token_ids], self.device)
-            if dst:
-                at = to_device(list(dst) + list(src), self.device)
-                ids[at[:len(dst)]] = values[at[len(dst):]]
-            parts.append(ids)
+            ids, _ = self._step_inputs(p, w.token_ids, (), (dst, src, values) if dst else None)
+            parts.append(ids[:p.num_tokens])
         return torch.cat(parts)
 
     @staticmethod
