@@ -1,7 +1,8 @@
 """The small kernels of an 8k-token prefill chunk on flash-L4-E32's shapes, timed alone (CUDA events, median of
 5 single launches after one untimed): q's per-head norm + rope, the output's inverse rope (out of place, and in
 place on the rope channels only), the router's logits (per-token kernel, and the tensor-core kernel), the
-indexer's scores over a causal prompt's compressed entries and their top-k, and mHC's collapse. Bytes are what each kernel must move at least;
+indexer's scores over a causal prompt's compressed entries and their top-k, mHC's collapse (and in the
+batch-invariant layout of its partials) and write-back. Bytes are what each kernel must move at least;
 GB/s is that over its time. The script runs on an older tree too (``PYTHONPATH`` at another checkout): what that
 tree lacks prints '-'.
 
@@ -86,6 +87,14 @@ def main():
     base, sc = torch.zeros(mix, device=dev), torch.ones(3, device=dev)
     add(f"mHC collapse [{N}, {cfg.hc_mult}, {cfg.hidden_size}] (mixing partials, collapse, Sinkhorn)",
         lambda: mhc.hc_pre(X, fn, base, sc, 20, 1e-6, 1e-6), X.numel() * 2 + N * cfg.hidden_size * 2)
+    looped = "invariant" in inspect.signature(mhc.hc_pre).parameters
+    add("mHC collapse, one chunk of inputs a partial program (the batch-invariant layout)",
+        (lambda: mhc.hc_pre(X, fn, base, sc, 20, 1e-6, 1e-6, invariant=True)) if looped else None,
+        X.numel() * 2 + N * cfg.hidden_size * 2)
+    y = torch.randn(N, cfg.hidden_size, device=dev, generator=g).to(bf)
+    post = torch.rand(N, cfg.hc_mult, device=dev, generator=g)
+    comb = torch.rand(N, cfg.hc_mult, cfg.hc_mult, device=dev, generator=g)
+    add("mHC write-back", lambda: mhc.hc_post(y, X, post, comb), 2 * X.numel() * 2 + y.numel() * 2)
     print(f"{torch.cuda.get_device_name()}, {a.preset}, {N} tokens")
     print(table(["kernel", "us", "MB moved (least)", "GB/s"], rows))
 

@@ -4,11 +4,12 @@ the streams), the final collapse (``hc_head``) and the write-back after it (``hc
 twins are the CPU branches of ``dsv4.model.mhc``.
 
 The collapse runs in two launches. ``_mix_partials`` splits the n*d inputs of each token into chunks and
-writes, per chunk, its dot products with the mixing rows and its sum of squares; ``_collapse`` adds the
+writes, per chunk (per run of MIX_LOOP chunks at prefill sizes, ``mix_loop``), its dot products with the mixing
+rows and its sum of squares; ``_collapse`` adds the
 chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
 the weighted sum, one program a token over all of d, and then, given the sub-block's norm weight, the RMSNorm that
-the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs only
-(batch-invariant).
+the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs and on whether
+N reaches MIX_LOOP_TOKENS (under batch invariance on its own inputs only).
 ``_sinkhorn`` then turns the comb logits into the comb in place: 2 x 20 dependent normalisations of a 4 x 4
 matrix, latency that nothing reads until the write-back after the sub-block (``_post``), so under a graph
 capture it can run on a side stream beside the sub-block (``model.mhc.MHC_OVERLAP``).
@@ -25,6 +26,12 @@ BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs 
 MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N is: the reductions' layout
 # follows the tile, so a token's bits would change with it. A token a program (the earlier kernel, products
 # summed on the CUDA cores) was latency-bound at prefill sizes: 1.5 ms a launch for 8k tokens on an H200
+# A mixing-partial program of a prefill chunk sums MIX_LOOP chunks of BLOCK_K inputs before it writes (mix_loop):
+# a chunk each wrote N x n*d/64 x 25 float32 partials, 210 MB for 8k tokens of Flash (as many bytes as the streams
+# it reads), then read back by the collapse. From MIX_LOOP_TOKENS tokens on, outside batch invariance (the sums'
+# order, so a token's bits, then depend on N)
+MIX_LOOP = 16
+MIX_LOOP_TOKENS = 256
 BLOCK_D = 512  # channels per write-back program
 COLLAPSE_WARPS: int | None = None  # warps of a collapse program (one a token); None: 8 from d = 2048 on, else 4
 
@@ -35,23 +42,37 @@ if HAVE_TRITON:
     from .pdl import enter, load_weight_and_enter
 
     @triton.jit
-    def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
-                      TOKENS: tl.constexpr, PDL: tl.constexpr):
-        """Grid (cdiv(N, TOKENS), K / BLOCK): TOKENS tokens' partials over inputs chunk kb as one dot on the
-        tensor cores in 3xTF32 (each operand split into a TF32 head and tail, three products: float32's accuracy;
-        a bfloat16 x is its own head), the sums of squares beside it."""
-        kb = tl.program_id(1)
-        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-        k = kb * BLOCK + tl.arange(0, BLOCK)
-        mk = k < K
-        live = t < N
-        r = tl.arange(0, RP)
-        w_rows = FN + r[:, None] * K + k[None, :]  # the mixing rows: a weight, before the wait under PDL RELEASE
-        w = load_weight_and_enter(w_rows, (r < R)[:, None] & mk[None, :], PDL).to(tl.float32)
+    def _mix_chunk(X, stride_x, t, live, k, mk, w):
+        """TOKENS tokens' inputs ``k`` (float32 [TOKENS, BLOCK], 0 past N or K) against the mixing rows' chunk
+        ``w`` [RP, BLOCK] -> (the dots [TOKENS, RP] on the tensor cores in 3xTF32, the sums of squares [TOKENS])."""
         x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=live[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        dots = tl.dot(x, tl.trans(w), input_precision="tf32x3")  # [TOKENS, RP]
-        out = tl.where(r[None, :] == R, tl.sum(x * x, axis=1)[:, None], dots)  # column R: the sum of squares
+        return tl.dot(x, tl.trans(w), input_precision="tf32x3"), tl.sum(x * x, axis=1)
+
+    @triton.jit
+    def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                      TOKENS: tl.constexpr, LOOP: tl.constexpr, PDL: tl.constexpr):
+        """Grid (cdiv(N, TOKENS), cdiv(K, BLOCK * LOOP)): TOKENS tokens' partials over LOOP chunks of BLOCK
+        inputs (kb * LOOP ..), the chunks' dots on the tensor cores in 3xTF32 (each operand split into a TF32 head
+        and tail, three products: float32's accuracy; a bfloat16 x is its own head) summed in order, the sums of
+        squares beside them."""
+        kb = tl.program_id(1)
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+        live = t < N
+        r = tl.arange(0, RP)
+        k = kb * LOOP * BLOCK + tl.arange(0, BLOCK)
+        mk = k < K
+        w_rows = FN + r[:, None] * K + k[None, :]  # the mixing rows: a weight, before the wait under PDL RELEASE
+        w = load_weight_and_enter(w_rows, (r < R)[:, None] & mk[None, :], PDL).to(tl.float32)
+        dots, sq = _mix_chunk(X, stride_x, t, live, k, mk, w)
+        for j in range(1, LOOP):  # prefill sizes: fewer partials to write and read back
+            k = (kb * LOOP + j) * BLOCK + tl.arange(0, BLOCK)
+            mk = k < K
+            w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0)
+            d_j, sq_j = _mix_chunk(X, stride_x, t, live, k, mk, w.to(tl.float32))
+            dots += d_j
+            sq += sq_j
+        out = tl.where(r[None, :] == R, sq[:, None], dots)  # column R: the sum of squares
         tl.store(P + (t.to(tl.int64)[:, None] * tl.num_programs(1) + kb) * (R + 1) + r[None, :], out,
                  mask=live[:, None] & (r <= R)[None, :])
 
@@ -153,13 +174,21 @@ def usable(X: torch.Tensor) -> bool:
     return on(X) and n >= 2 and (n & (n - 1)) == 0
 
 
+def mix_loop(N: int, invariant: bool) -> int:
+    """Chunks of BLOCK_K inputs a mixing-partial program sums for N tokens: 1 (one chunk a program, the most
+    programs: decode) below MIX_LOOP_TOKENS tokens and under batch invariance, else MIX_LOOP."""
+    return 1 if invariant or N < MIX_LOOP_TOKENS else MIX_LOOP
+
+
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                     eps: float, norm_eps: float, head: bool, side=None, norm_weight: torch.Tensor | None = None):
+                     eps: float, norm_eps: float, head: bool, side=None, norm_weight: torch.Tensor | None = None,
+                     invariant: bool = False):
     N, n, d = X.shape
     K, R = n * d, fn.shape[0]
     X = X.contiguous()
     fn = fn.float().contiguous()
-    KB = triton.cdiv(K, BLOCK_K)
+    loop = mix_loop(N, invariant)
+    KB = triton.cdiv(K, BLOCK_K * loop)
     P = torch.empty(N, KB, R + 1, dtype=torch.float32, device=X.device)
     u = torch.empty(N, d, dtype=X.dtype, device=X.device)
     post = torch.empty(N, n, dtype=torch.float32, device=X.device)
@@ -167,7 +196,7 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     if N:
         RP = max(16, triton.next_power_of_2(R + 1))
         _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R, RP=RP, BLOCK=BLOCK_K,
-                                                        TOKENS=MIX_TOKENS, num_warps=4, **pdl.args())
+                                                        TOKENS=MIX_TOKENS, LOOP=loop, num_warps=4, **pdl.args())
         DP = triton.next_power_of_2(d)
         nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
         _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,
@@ -181,17 +210,20 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None):
+           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None, invariant: bool = False):
     """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``
     (with ``norm_weight``: u RMS-normed, ``norm_eps``). ``side``: a stream (``side_stream``) the Sinkhorn forks
-    onto; comb is then ready only after a join with it, and must stay alive until then."""
-    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side, norm_weight=norm_weight)
+    onto; comb is then ready only after a join with it, and must stay alive until then. ``invariant``: a
+    token's bits whatever N (``mix_loop``)."""
+    return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side, norm_weight=norm_weight,
+                            invariant=invariant)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-            norm_eps: float, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+            norm_eps: float, norm_weight: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """X [N, n, d] -> [N, d] in X's dtype, as ``model.mhc.hc_head`` (with ``norm_weight`` RMS-normed)."""
-    return _collapse_launch(X, fn, base, scale, 1, eps, norm_eps, head=True, norm_weight=norm_weight)[0]
+    return _collapse_launch(X, fn, base, scale, 1, eps, norm_eps, head=True, norm_weight=norm_weight,
+                            invariant=invariant)[0]
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from ..kernels import mhc as kernel
 from ..kernels.side_stream import join, side_stream
 from .ops import rms_norm
+from .rows import active as rows_fixed
 from .rows import linear, row_chunks
 
 # With MHC_OVERLAP the Sinkhorn of each collapse (kernels.mhc._sinkhorn: 2 x 20 dependent normalisations of the
@@ -41,7 +42,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if kernel.usable(X):  # three kernels on the GPU; the lines below are their twin
         inside, after = _norm_split(norm_weight)
         u, post, comb = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                      side_stream(X, MHC_OVERLAP), inside)
+                                      side_stream(X, MHC_OVERLAP), inside, invariant=rows_fixed())
         return _normed(u, after, norm_eps), post, comb
     return row_chunks(X, lambda X: _hc_pre_torch(X, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight))
 
@@ -93,7 +94,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     RMSNorm of it, on the GPU in the collapse's kernel)."""
     if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
         inside, after = _norm_split(norm_weight)
-        return _normed(kernel.hc_head(X, fn, base, scale, eps, norm_eps, inside), after, norm_eps)
+        return _normed(kernel.hc_head(X, fn, base, scale, eps, norm_eps, inside, invariant=rows_fixed()), after, norm_eps)
 
     def head(X):
         m = _mix_logits(X, fn, norm_eps)  # [N, n]
