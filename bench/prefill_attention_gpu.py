@@ -66,8 +66,9 @@ def main():
     ap.add_argument("--kinds", nargs="+", default=["window", "HCA", "CSA"])
     ap.add_argument("--tiles", nargs="*", default=None, help="tiles to try, each BLOCK_H/BLOCK_K/warps/stages"
                     " (default: a sweep; the default tile is always timed)")
-    ap.add_argument("--skip", nargs="*", default=["1"],
-                    help="the single pass's SKIP flags to time (0, 1: sparse_attention.SKIP)")
+    ap.add_argument("--skip", nargs="*", default=["3"],
+                    help="the single pass's SKIP values to time (sparse_attention.SKIP: 0 none; bits 1, 2: the window"
+                         " source, the compressed source)")
     ap.add_argument("--hot", action="store_true", help="also each kind with every token's entries in the same 64 rows")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
@@ -87,7 +88,7 @@ def main():
                                            sink.double(), scale)
         tiles = TILES if a.tiles is None else ["auto", None] + [tuple(int(x) for x in t.split("/")) for t in a.tiles]
         for tile, skip in [(t, v) for v in a.skip for t in tiles]:
-            sa.SKIP = bool(int(skip))
+            sa.SKIP = int(skip)
             name = {"auto": "auto (the path taken)", None: "single pass, default tile"}.get(tile) or "/".join(
                 str(x) for x in tile)
             name += f", SKIP {skip}"

@@ -159,19 +159,19 @@ if HAVE_TRITON:
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
         sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
         a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
-        bench/prefill_attention_gpu.py). SKIP: each source's blocks end at the token's last valid column (the
-        blocks after it add exact zeros: scores -inf, so m, l and acc are unchanged)."""
+        bench/prefill_attention_gpu.py). SKIP (bits 1 and 2: source 1, source 2): that source's blocks end at the token's
+        last valid column (the blocks after it add exact zeros: scores -inf, so m, l and acc are unchanged)."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_d = tl.arange(0, D)
-        if SKIP:
+        E1 = K1
+        E2 = K2
+        if SKIP & 1:
             E1 = _valid_end(VAL1, n, stride_i1, K1, 256)
+        if SKIP & 2:
             E2 = _valid_end(VAL2, n, stride_i2, K2, 256)
-        else:
-            E1 = K1
-            E2 = K2
         q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
         # the sink starts the running max and contributes exp(sink - m) to the denominator, no value
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
@@ -272,8 +272,9 @@ if HAVE_TRITON:
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
 
 
-SKIP = True  # the single pass stops each source at the token's last valid column (an 8k chunk's CSA layer 3.36 ->
-# 3.29 ms, window 1.08 -> 1.13 and HCA 1.35 -> 1.42 on an H100: even there; a short prompt's CSA layers skip more)
+SKIP = 3  # the single pass stops each source at the token's last valid column (bits 1, 2: sources 1, 2; an 8k
+# chunk's CSA layer 3.36 -> 3.29 ms, window 1.08 -> 1.13 and HCA 1.35 -> 1.42 on an H100 with both: even there; a
+# short prompt's CSA layers skip more)
 
 
 SPLIT_PROGRAMS = 64  # single-pass programs (tokens x head blocks) from which the single pass is faster
