@@ -111,6 +111,8 @@ SWITCHES = [
      _split_fp4_tiles, "FP4 GEMV tiles not joined"),
     ("--no-fp4-prefetch", "the FP4 GEMV loads each chunk's words when it reaches it, not a chunk ahead"
      " (fp4_gemv.PREFETCH's A/B)", _off(fp4_gemv, "PREFETCH"), "FP4 GEMV without prefetch"),
+    ("--no-fp4-fold", "packed FP4 experts on the tensor-core GEMM: two products a decoded weight pair, not one"
+     " (kernels.fp4_gemv.FOLD's A/B)", _off(fp4_gemv, "FOLD"), "FP4 decode with two products"),
     ("--no-bf16-row-kernel", "bf16 products of 1 to 4 rows on cuBLAS / einsum (kernels.bf16_gemv.ENABLED's A/B)",
      _off(bf16_gemv, "ENABLED"), "few-row bf16 products on cuBLAS"),
     ("--one-row-kernels", "the FP8 and bf16 row kernels take one row only, as before the twenty-seventh session:"

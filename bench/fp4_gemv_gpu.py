@@ -4,9 +4,9 @@
 moe_inter_dim 2048, 6 experts per token) with 128 experts (flash-E128). Checks each against the twin (the
 weights decoded, one bf16 GEMM) first. Every kernel's grid stops at the row blocks that can hold pairs
 (``moe.active_blocks``, as in the engine); the "all blocks" rows launch a program per row block of the layout,
-as before. The gate-up rows time the experts' first half: w1, w3 and the SwiGLU fused in one GEMV launch
-(``fp4_gemv_gate_up``) against the two GEMVs and the SwiGLU kernel. Prints short tables; ``--sweep`` also tries
-GEMV tiles.
+as before; "FOLD" is the tensor-core GEMM's one-product decode (``fp4_gemv.FOLD``). The gate-up rows time the
+experts' first half: w1, w3 and the SwiGLU fused in one GEMV launch (``fp4_gemv_gate_up``) against the two GEMVs
+and the SwiGLU kernel. Prints short tables; ``--sweep`` also tries GEMV tiles.
 
     python3 bench/fp4_gemv_gpu.py [--batch 1 32 --experts 128 --sweep]
 """
@@ -19,7 +19,8 @@ import torch
 from common import copy_bandwidth, graph_us, report, table
 
 from dsv4.checkpoint.quant import pack_fp4_stacked
-from dsv4.kernels.fp4_gemv import GEMV_CONFIG, GEMV_CONFIG_GATE_UP, fp4_gemv, fp4_gemv_gate_up, gate_up_config
+from dsv4.kernels.fp4_gemv import (GEMV_CONFIG, GEMV_CONFIG_GATE_UP, fold_scales, fp4_gemv, fp4_gemv_gate_up,
+                                   gate_up_config)
 from dsv4.kernels.moe import (GEMM_CONFIG_FP4, _grouped_gemm, _grouped_gemm_torch, active_blocks, align,
                               gate_up_torch)
 from dsv4.kernels.swiglu import swiglu_to
@@ -85,9 +86,9 @@ def main():
                 return lambda i: fp4_gemv(inp, r, packed[key][i][0], packed[key][i][1], be, gather, m_pad, 16, c,
                                           blocks=blocks)
 
-            def tc(c, blocks=nb):
+            def tc(c, blocks=nb, fold=False):
                 return lambda i: _grouped_gemm(inp, r, packed[key][i][0], be, gather, m_pad, c,
-                                               scale=packed[key][i][1], blocks=blocks)
+                                               scale=packed[key][i][1], blocks=blocks, fold=fold)
 
             def bf16(blocks):
                 return lambda i: _grouped_gemm(inp, r, dense[key][i % 2], be, gather, m_pad, blocks=blocks)
@@ -111,6 +112,9 @@ def main():
             if a.sweep:
                 picks.append(("gemv, best of sweep", min(results, key=lambda t: t[0])))
             picks.append(("fp4 TC GEMM (default)", tcs[0]))
+            if fold_scales(*(sc for _, sc in packed[key])):
+                picks.append(("fp4 TC GEMM (default), one-product decode (FOLD)",
+                              measure(lambda c: tc(c, fold=True), tc_configs[:1])[0]))
             picks.append(("fp4 TC GEMM (default), all blocks", measure(lambda c: tc(c, None), tc_configs[:1])[0]))
             if a.sweep:
                 picks.append(("fp4 TC GEMM, best of sweep", min(tcs, key=lambda t: t[0])))

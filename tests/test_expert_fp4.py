@@ -91,6 +91,25 @@ def test_a_fp4_checkpoint_gives_the_same_logits_and_tokens_packed_or_dequantised
     assert _greedy(a) == _greedy(b)
 
 
+def test_loading_notes_whether_the_scales_allow_the_one_product_decode(fp4_checkpoint):
+    """A model's packed experts know after loading whether every scale byte is at most FOLD_MAX_SCALE (the
+    tensor-core GEMM's one-product decode); one byte past it turns that off; dequantised experts never fold."""
+    from dsv4.kernels.fp4_gemv import FOLD_MAX_SCALE, fold_scales
+
+    p4 = load_model(fp4_checkpoint, expert_format="fp4")
+    experts = [blk.ffn.experts for blk in list(p4.layers) + list(p4.mtp)]
+    assert all(ex.fold == fold_scales(*ex.scales()) for ex in experts)
+    assert all(ex.fold for ex in experts)  # random weights: scale bytes near 2**-4, far below 2**1
+    ex = experts[0]
+    ex.w2_scale[1, 2, 0] = FOLD_MAX_SCALE
+    ex.note_scales()
+    assert ex.fold
+    ex.w2_scale[1, 2, 0] = FOLD_MAX_SCALE + 1
+    ex.note_scales()
+    assert not ex.fold
+    assert not any(blk.ffn.experts.fold for blk in load_model(fp4_checkpoint).layers)
+
+
 def test_a_checkpoint_s_fp4_experts_are_read_as_stored(fp4_checkpoint, monkeypatch):
     """No decode and re-encode: the stacked bytes are the file's bytes, for every expert and for an
     expert-parallel share, and nothing is quantised on the way."""

@@ -20,7 +20,8 @@ def test_fp4_kernels_decode_every_code_and_scale(dtype):
     0.5 and -0 among them) and scale bytes 40..200 (2**-87 .. 2**73: past what one bfloat16 factor of 2**(b-1)
     holds), against their torch twin on the same sorted layout, per output column (each column's scales within
     a factor 8 of each other, so every group counts). float32 activations: the sums' order apart; bf16: the
-    twin's own bf16 product."""
+    twin's own bf16 product. The same bytes clamped to 128: the tensor-core GEMM's one-product decode (FOLD)
+    gives the bits of the two products'."""
     from dsv4.kernels import fp4_gemv, moe
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -44,6 +45,16 @@ def test_fp4_kernels_decode_every_code_and_scale(dtype):
             got, ref = out.cpu()[valid].double(), twin[valid].double()
             err = ((got - ref).norm(dim=0) / ref.norm(dim=0)).max().item()  # per column: scales differ by 2**157
             assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (bm, name, err)
+        # scale bytes up to FOLD_MAX_SCALE: the tensor-core GEMM's one-product decode, the same bits as two products
+        small = scale.clamp(max=fp4_gemv.FOLD_MAX_SCALE)
+        assert fp4_gemv.fold_scales(small) and not fp4_gemv.fold_scales(scale)
+        two = moe._grouped_gemm(a, rows, codes, block_expert, True, m_pad, scale=small, block_m=bm)
+        one = moe._grouped_gemm(a, rows, codes, block_expert, True, m_pad, scale=small, block_m=bm, fold=True)
+        assert torch.equal(one.cpu()[valid], two.cpu()[valid]), bm
+        ref = moe._grouped_gemm_torch(a.cpu(), rows.cpu(), codes.cpu(), block_expert.cpu(), True, m_pad,
+                                      scale=small.cpu(), block_m=bm)[valid].double()
+        err = ((one.cpu()[valid].double() - ref).norm(dim=0) / ref.norm(dim=0)).max().item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (bm, "folded", err)
         for prefetch in (False, True):  # loads a chunk ahead or not: the same arithmetic, the same bits
             for cfg, out in (({"JOIN": False}, gemv), ({"BLOCK_K": 128, "JOIN": True}, joined)):
                 again = fp4_gemv.fp4_gemv(a, rows, codes, scale, block_expert, True, m_pad, bm,

@@ -65,6 +65,17 @@ def as_words(w: torch.Tensor) -> torch.Tensor:
     return (w if w.stride(-1) == 1 else w.contiguous()).view(torch.int32)
 
 
+FOLD_MAX_SCALE = 128  # scale bytes up to which the tensor-core kernel's decode takes one product (FOLD)
+FOLD = True  # the one-product decode where the scales allow it (bench/decode_floor.py --no-fp4-fold: the A/B)
+
+
+def fold_scales(*scales: torch.Tensor) -> bool:
+    """Whether every scale byte of these weights is at most FOLD_MAX_SCALE (2**1): then the tensor-core kernel
+    decodes with one bfloat16 product a weight pair (``e2m1_word_bf16``'s FOLD). Reads the bytes (a host sync):
+    once, at load (``StackedExperts.note_scales``). False while FOLD is off."""
+    return FOLD and all(s.numel() == 0 or int(s.max()) <= FOLD_MAX_SCALE for s in scales)
+
+
 def use_asm(t: torch.Tensor) -> bool:
     """The inline-PTX decode on CUDA; its Triton-op twin under Triton's interpreter (CPU tensors)."""
     return t.device.type == "cuda"
@@ -141,12 +152,30 @@ if HAVE_TRITON:
         _E2M1_BF16_STEP.format(r="a", out=t) + _E2M1_BF16_STEP.format(r="b", out=t + 4) for t in (3, 2, 1, 0))
         + "\n    }")
 
+    # FOLD: where every scale byte of a weight is at most FOLD_MAX_SCALE (``fold_scales``; real checkpoints' are
+    # near 120), the two products are one, by 2**(b-1) (bits (b + 126) << 7, the largest 2**127 at b = 128): one
+    # bf16x2 multiply an output register instead of two, exact alike (b = 0 gives the twin's 2**-127 here, not 0)
+    _E2M1_BF16_STEP_FOLD = """
+    and.b32 t, {r}, 0x70007000; shr.b32 t, t, 6; and.b32 u, {r}, 0x80008000; or.b32 u, u, t;
+    mul.rn.bf16x2 ${out}, u, f;"""
+    _E2M1_WORD_BF16_FOLD_ASM = tl.constexpr("""{
+    .reg .b32 a, b, t, u, f;
+    prmt.b32 a, $8, $9, 0x5410;
+    prmt.b32 b, $8, $9, 0x7632;
+    shl.b32 f, $10, 7; shl.b32 t, $11, 23; or.b32 f, f, t; add.u32 f, f, 0x3F003F00;""" + "\n    shl.b32 a, a, 4; shl.b32 b, b, 4;".join(
+        _E2M1_BF16_STEP_FOLD.format(r="a", out=t) + _E2M1_BF16_STEP_FOLD.format(r="b", out=t + 4)
+        for t in (3, 2, 1, 0)) + "\n    }")
+
     @triton.jit
-    def e2m1_word_bf16(w, sb, ASM: tl.constexpr):
+    def e2m1_word_bf16(w, sb, ASM: tl.constexpr, FOLD: tl.constexpr = False):
         """int32 words of 8 codes and their scale bytes (int32, one per word) -> 8 bfloat16 tensors of weights
-        (input 8i + t in the t-th), exact. ASM: the inline PTX above; otherwise ``e2m1_word`` times the scale,
-        rounded to bfloat16 (exact too)."""
+        (input 8i + t in the t-th), exact. ASM: the inline PTX above (FOLD: one product a weight pair, for scale
+        bytes up to FOLD_MAX_SCALE only); otherwise ``e2m1_word`` times the scale, rounded to bfloat16 (exact
+        too)."""
         if ASM:
+            if FOLD:
+                return tl.inline_asm_elementwise(_E2M1_WORD_BF16_FOLD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                                 [w, sb], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
             return tl.inline_asm_elementwise(_E2M1_WORD_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, sb],
                                              dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
         else:

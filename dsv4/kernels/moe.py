@@ -20,6 +20,8 @@ back, adds the shared expert's output and rounds (``_combine_kernel``, twin: the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .fp4 import unpack_fp4
@@ -243,11 +245,11 @@ if HAVE_TRITON:
                              BLOCK_EXPERT, N, K, S, stride_se, stride_sn, GATHER: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              IEEE: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                             PDL: tl.constexpr):
+                             PDL: tl.constexpr, FOLD: tl.constexpr = False):
         """C[rows of block] = A[rows] @ W[e].T for the expert e of this row block. ``FP4``: W holds packed
         e2m1 bytes [E, N, K/2] as int32 words [E, N, K/8] and S their scale bytes [E, N, K/32], decoded per BLOCK_K
-        inputs (a power of two from 128; weight-only). ASM: ``e2m1_word_bf16``'s inline PTX; EVEN_K: K a multiple
-        of BLOCK_K. A
+        inputs (a power of two from 128; weight-only). ASM: ``e2m1_word_bf16``'s inline PTX (FOLD: its one-product
+        form, every scale byte at most ``fp4_gemv.FOLD_MAX_SCALE``); EVEN_K: K a multiple of BLOCK_K. A
         scale byte of 0 (2**-127, below float32's normal range; real weights never have it) gives 0 here and
         its value in the twin."""
         enter(PDL)
@@ -280,7 +282,7 @@ if HAVE_TRITON:
                 words = tl.load(w_rows + (k0 // 8 + iw)[:, None], mask=kw_ok[:, None] & n_ok[None, :], other=0)
                 sb = tl.load(s_rows + (k0 // 32 + iw // 4)[:, None], mask=kw_ok[:, None] & n_ok[None, :],
                              other=0).to(tl.int32)
-                o = e2m1_word_bf16(words, sb, ASM)
+                o = e2m1_word_bf16(words, sb, ASM, FOLD)
                 ak = k0 + offs_k  # the inputs as one run, split into the 8 strided ones
                 x = tl.load(a_rows + ak[None, :], mask=row_ok[:, None] & ((ak < K) | EVEN_K)[None, :], other=0.0)
                 xs = split8(tl.reshape(x, [BLOCK_M, BW, 2, 2, 2]))
@@ -307,11 +309,14 @@ if HAVE_TRITON:
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=offs_n[None, :] < N)
 
     def _grouped_gemm(a, rows, w, block_expert, gather: bool, m_pad: int, config: dict | None = None,
-                      scale: torch.Tensor | None = None, block_m: int = BLOCK_M, blocks: int | None = None):
+                      scale: torch.Tensor | None = None, block_m: int = BLOCK_M, blocks: int | None = None,
+                      fold: bool = False):
         """out [m_pad, n] (sorted layout) = a[rows] @ w[e].T per row block. ``config``: BLOCK_N, BLOCK_K,
         num_warps, num_stages (bench/grouped_gemm_configs.py measures the choices). ``scale``: w is packed
-        FP4 [E, n, k/2] with these scale bytes [E, n, k/32]. ``blocks``: only the first row blocks have
-        programs (``active_blocks``; None: all of them); the rows of the others are not written."""
+        FP4 [E, n, k/2] with these scale bytes [E, n, k/32]; ``fold``: every one of them is at most
+        ``fp4_gemv.FOLD_MAX_SCALE`` (``fp4_gemv.fold_scales``), so the decode takes one product. ``blocks``: only
+        the first row blocks have programs (``active_blocks``; None: all of them); the rows of the others are not
+        written."""
         E, n, kdim = w.shape
         if scale is not None:
             kdim *= 2
@@ -330,8 +335,8 @@ if HAVE_TRITON:
                                    out.stride(0), block_expert, n, kdim, s, s.stride(0), s.stride(1),
                                    GATHER=gather, BLOCK_M=block_m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                                    IEEE=a.dtype == torch.float32, FP4=scale is not None, ASM=use_asm(a),
-                                   EVEN_K=kdim % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
-                                   num_stages=c["num_stages"], **pdl.args())
+                                   EVEN_K=kdim % c["BLOCK_K"] == 0, FOLD=fold and scale is not None,
+                                   num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl.args())
         return out
 
 
@@ -371,7 +376,8 @@ def gate_up_torch(a: torch.Tensor, rows: torch.Tensor, w1: torch.Tensor, s1: tor
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                     w2: torch.Tensor, w3: torch.Tensor, limit: float,
                     keep: torch.Tensor | None = None, scales: tuple | None = None,
-                    invariant: bool = False, add=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    invariant: bool = False, add=None, out_dtype: torch.dtype = torch.float32,
+                    fold: bool = False) -> torch.Tensor:
     """Routed-expert output [N, d] plus ``add`` [N, d] (the shared expert's, or a function giving it), in
     ``out_dtype`` (same contract as Experts.forward), no host sync on CUDA: the sum over a token's pairs, the
     addition and the rounding are the combine's one kernel.
@@ -379,8 +385,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     ``keep`` [N, k] bool (expert parallelism): pairs with ``keep`` False belong to experts of other ranks.
     They are laid out as one extra expert E whose row blocks are skipped (no GEMM work) and contribute 0;
     their ``ids`` may be anything (clamped into range). Shapes stay static: still graph-safe. ``scales``
-    (w1, w2, w3 scale bytes): the weights are packed FP4 (``dsv4.model.expert_weights``). ``invariant``: row
-    blocks of BLOCK_M whatever the step's size (``block_m_for``; batch invariance)."""
+    (w1, w2, w3 scale bytes): the weights are packed FP4 (``dsv4.model.expert_weights``); ``fold``: every scale
+    byte is at most ``fp4_gemv.FOLD_MAX_SCALE`` (the tensor-core GEMM's one-product decode; same bits).
+    ``invariant``: row blocks of BLOCK_M whatever the step's size (``block_m_for``; batch invariance)."""
     N, k = ids.shape
     E = w1.shape[0]
     mm = use_grouped_mm(x, N * k, E, invariant, scales is not None)
@@ -397,6 +404,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     gemm = _grouped_gemm if on(x) else _grouped_gemm_torch
     if scales is not None and on(x) and gemv_kernel.use_gemv(N * k, E, invariant):
         gemm = _gemv  # packed FP4 at decode sizes: a GEMV per row
+    elif scales is not None and on(x) and fold:
+        gemm = functools.partial(_grouped_gemm, fold=True)
     s1, s2, s3 = scales if scales is not None else (None, None, None)
     r = blocks * bm  # rows past the active blocks are padding: never computed, never read
     if mm:  # the tokens' rows gathered once into the sorted layout, then three library grouped GEMMs

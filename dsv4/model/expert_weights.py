@@ -32,6 +32,7 @@ class StackedExperts(nn.Module):
     w2 [E, d, I], as parameters or, after ``use_fp4``, packed FP4 buffers with their scales."""
 
     fp4 = False
+    fold = False  # every scale byte allows the tensor-core GEMM's one-product decode (``note_scales``)
 
     def _make_weights(self, E: int, inter: int, d: int) -> None:
         self.w1 = nn.Parameter(torch.empty(E, inter, d))
@@ -50,6 +51,13 @@ class StackedExperts(nn.Module):
             self.register_buffer(name + SCALE_SUFFIX, torch.empty(E, rows, cols // FP4_BLOCK, dtype=torch.uint8,
                                                                    device=device))
         self.fp4 = True
+
+    def note_scales(self) -> None:
+        """After loading: whether every scale byte of the packed weights is at most
+        ``kernels.fp4_gemv.FOLD_MAX_SCALE`` (``fold``; one read of the bytes, a host sync)."""
+        from ..kernels.fp4_gemv import fold_scales  # lazy: kernels import model.ops
+
+        self.fold = self.fp4 and fold_scales(*self.scales())
 
     def expert_weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``e``'s ``name`` weight [out, in] in ``dtype`` (decoded when packed): the CPU loop's operand."""

@@ -15,6 +15,7 @@ from ..kernels.pdl import pass_rows
 from .attention import AttentionBackend, RMSNorm
 from .block import Block, MTPBlock
 from .dense import DenseBackend
+from .expert_weights import StackedExperts
 from .mhc import hc_head
 from .rows import Linear
 
@@ -51,11 +52,15 @@ class DeepseekV4(nn.Module):
 
     def finish_loading(self, device) -> "DeepseekV4":
         """After the checkpoint tensors are adopted on ``device``: rope tables, fused projections on CUDA (fewer,
-        larger GEMMs where launches and small reads cost), inference mode."""
+        larger GEMMs where launches and small reads cost), packed experts' scale range (``note_scales``),
+        inference mode."""
         device = torch.device(device)
         self.init_tables(device)
         if device.type == "cuda":
             self.fuse_projections()
+        for m in self.modules():
+            if isinstance(m, StackedExperts):
+                m.note_scales()
         return self.eval().requires_grad_(False)
 
     def fuse_projections(self) -> None:

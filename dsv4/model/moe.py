@@ -83,7 +83,7 @@ class Experts(StackedExperts):
             from ..kernels.moe import grouped_experts  # lazy: kernels import model.ops
 
             return grouped_experts(x, weights, ids, self.w1, self.w2, self.w3, self.limit, scales=self.scales(),
-                                   invariant=rows_active(), add=add, out_dtype=out_dtype)
+                                   invariant=rows_active(), add=add, out_dtype=out_dtype, fold=self.fold)
         N, k = ids.shape
         flat = ids.flatten()  # [N*k] one row per (token, choice)
         order = flat.argsort(stable=True)  # rows grouped by expert

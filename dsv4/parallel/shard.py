@@ -175,7 +175,7 @@ class ParallelExperts(StackedExperts):
         local = ids - self.first_expert
         keep = (local >= 0) & (local < self.num_local)
         return grouped_experts(x, weights, local, self.w1, self.w2, self.w3, self.limit, keep=keep,
-                               scales=self.scales(), invariant=rows_active())
+                               scales=self.scales(), invariant=rows_active(), fold=self.fold)
 
     def _local_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The plain-torch twin (host-side loop over this rank's experts; syncs: not for CUDA graphs)."""
