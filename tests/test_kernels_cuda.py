@@ -132,9 +132,10 @@ def test_grouped_moe_on_the_library_grouped_mm_matches_the_kernel_and_replays_in
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, d", [(1, 4096), (37, 64), (5, 1000), (300, 4096), (300, 1000)])
-def test_mhc_kernels_match_twins(dtype, N, d):
+def test_mhc_kernels_match_twins(dtype, N, d, monkeypatch):
     """dsv4.kernels.mhc (hc_pre, hc_head, hc_post on CUDA, the collapses with and without the norm folded in)
-    against the torch lines of model.mhc on the CPU; 300 tokens take the prefill's partials (``mix_loop``)."""
+    against the torch lines of model.mhc on the CPU, the mixing partials one chunk a program and in runs of
+    chunks (``mix_loop``)."""
     from dsv4.model import mhc
 
     g = torch.Generator(device="cuda").manual_seed(N + d)
@@ -155,17 +156,24 @@ def test_mhc_kernels_match_twins(dtype, N, d):
     assert u.dtype == dtype and torch.isfinite(u).all() and torch.isfinite(comb).all()
     assert rel_err(post.cpu(), post_ref) < 1e-5 and rel_err(comb.cpu(), comb_ref) < 1e-5  # fp32 weights
     assert rel_err(u.cpu(), u_ref) < tol
-    from dsv4.kernels.mhc import mix_loop
+    from dsv4.kernels import mhc as kernel
     from dsv4.model.rows import fixed_rows
 
     with fixed_rows():  # batch invariance: a token's result whatever the batch size
         inv = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
         few = mhc.hc_pre(X[:3], fn, base, scale, 20, 1e-6, 1e-6)
     assert all(torch.equal(a[:3], b) for a, b in zip(inv, few))
-    if mix_loop(N, False) == 1:  # below the prefill sizes the partials' layout is the invariant one
+    assert kernel.mix_loop(N, n * d, True) == 1
+    if kernel.mix_loop(N, n * d, False) == 1:  # few programs: the partials' layout is the invariant one
         assert all(torch.equal(a, b) for a, b in zip((u, post, comb), inv))
-    else:  # a prefill's partials summed MIX_LOOP chunks a program: within rounding of the invariant layout's
-        assert rel_err(u, inv[0]) < tol and rel_err(post, inv[1]) < 1e-5 and rel_err(comb, inv[2]) < 1e-5
+    with monkeypatch.context() as m:  # runs of MIX_LOOP chunks a program (a prefill chunk's thousands of tokens)
+        m.setattr(kernel, "MIX_PROGRAMS", 1)
+        assert kernel.mix_loop(N, n * d, False) > 1
+        runs = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
+        head_runs = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6)
+    # within rounding of the invariant layout's
+    assert rel_err(runs[0], inv[0]) < tol and rel_err(runs[1], inv[1]) < 1e-5 and rel_err(runs[2], inv[2]) < 1e-5
+    assert rel_err(head_runs.cpu(), head_ref) < tol
     _poison_allocator(N * n * d * 4, dtype)
     head = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6)
     assert torch.isfinite(head).all() and rel_err(head.cpu(), head_ref) < tol

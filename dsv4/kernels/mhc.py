@@ -8,8 +8,8 @@ writes, per chunk (per run of MIX_LOOP chunks at prefill sizes, ``mix_loop``), i
 rows and its sum of squares; ``_collapse`` adds the
 chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
 the weighted sum, one program a token over all of d, and then, given the sub-block's norm weight, the RMSNorm that
-the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs and on whether
-N reaches MIX_LOOP_TOKENS (under batch invariance on its own inputs only).
+the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs and on the run
+length N gives (under batch invariance on its own inputs only).
 ``_sinkhorn`` then turns the comb logits into the comb in place: 2 x 20 dependent normalisations of a 4 x 4
 matrix, latency that nothing reads until the write-back after the sub-block (``_post``), so under a graph
 capture it can run on a side stream beside the sub-block (``model.mhc.MHC_OVERLAP``).
@@ -26,12 +26,13 @@ BLOCK_K = 64  # inputs of one token per mixing-partial program (n*d/64 programs 
 MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N is: the reductions' layout
 # follows the tile, so a token's bits would change with it. A token a program (the earlier kernel, products
 # summed on the CUDA cores) was latency-bound at prefill sizes: 1.5 ms a launch for 8k tokens on an H200
-# A mixing-partial program of a prefill chunk sums MIX_LOOP chunks of BLOCK_K inputs before it writes (mix_loop):
-# a chunk each wrote N x n*d/64 x 25 float32 partials, 210 MB for 8k tokens of Flash (as many bytes as the streams
-# it reads), then read back by the collapse. From MIX_LOOP_TOKENS tokens on, outside batch invariance (the sums'
-# order, so a token's bits, then depend on N)
+# A mixing-partial program of a prefill chunk sums up to MIX_LOOP chunks of BLOCK_K inputs before it writes
+# (mix_loop): a chunk each wrote N x n*d/64 x 25 float32 partials, 210 MB for 8k tokens of Flash (as many bytes as
+# the streams it reads), then read back by the collapse. As many as leave MIX_PROGRAMS programs or more (an 8k
+# chunk of Flash: 16, 1k tokens: 4, 256: 1), outside batch invariance (the sums' order, so a token's bits, then
+# depend on N)
 MIX_LOOP = 16
-MIX_LOOP_TOKENS = 256
+MIX_PROGRAMS = 1024
 BLOCK_D = 512  # channels per write-back program
 COLLAPSE_WARPS: int | None = None  # warps of a collapse program (one a token); None: 8 from d = 2048 on, else 4
 
@@ -174,10 +175,14 @@ def usable(X: torch.Tensor) -> bool:
     return on(X) and n >= 2 and (n & (n - 1)) == 0
 
 
-def mix_loop(N: int, invariant: bool) -> int:
-    """Chunks of BLOCK_K inputs a mixing-partial program sums for N tokens: 1 (one chunk a program, the most
-    programs: decode) below MIX_LOOP_TOKENS tokens and under batch invariance, else MIX_LOOP."""
-    return 1 if invariant or N < MIX_LOOP_TOKENS else MIX_LOOP
+def mix_loop(N: int, K: int, invariant: bool) -> int:
+    """Chunks of BLOCK_K of the K inputs a mixing-partial program sums for N tokens: the most, up to MIX_LOOP,
+    that leave MIX_PROGRAMS programs or more; 1 (one chunk a program) under batch invariance."""
+    chunks = -(-N // MIX_TOKENS) * -(-K // BLOCK_K)
+    loop = 1
+    while not invariant and loop < MIX_LOOP and chunks // (2 * loop) >= MIX_PROGRAMS:
+        loop *= 2
+    return loop
 
 
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -187,7 +192,7 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     K, R = n * d, fn.shape[0]
     X = X.contiguous()
     fn = fn.float().contiguous()
-    loop = mix_loop(N, invariant)
+    loop = mix_loop(N, K, invariant)
     KB = triton.cdiv(K, BLOCK_K * loop)
     P = torch.empty(N, KB, R + 1, dtype=torch.float32, device=X.device)
     u = torch.empty(N, d, dtype=X.dtype, device=X.device)
