@@ -7,14 +7,7 @@
 #   and host functions (profile_prefill.py --gaps --host).
 # PART=b (decode): the FP4 tensor-core GEMM with one product a decoded pair (FOLD) alone at batch 8 and 32, the
 #   decode step of flash-L20-E128 (FP4 experts, FP8 linears) at batch 32 with and without it; the engine's CUDA tests.
-set -u
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-BASE=${BASE:-$ROOT/.abbase}
-START=$SECONDS
-END=$((SECONDS + ${BUDGET:-560}))
-F="Warn|USDT|TRTLLM|cuda_graph_config|_warn_once"
-left() { echo $((END - SECONDS)); }
+source bench/call_budget.sh
 if [ "${PART:-a}" = a ]; then
   PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "mhc" \
     tests/test_kernel_sparse_attention_cuda.py 2>&1 | tail -3
