@@ -28,9 +28,10 @@ MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N
 # summed on the CUDA cores) was latency-bound at prefill sizes: 1.5 ms a launch for 8k tokens on an H200
 # A mixing-partial program of a prefill chunk sums up to MIX_LOOP chunks of BLOCK_K inputs before it writes
 # (mix_loop): a chunk each wrote N x n*d/64 x 25 float32 partials, 210 MB for 8k tokens of Flash (as many bytes as
-# the streams it reads), then read back by the collapse. As many as leave MIX_PROGRAMS programs or more (an 8k
-# chunk of Flash: 16, 1k tokens: 4, 256: 1), outside batch invariance (the sums' order, so a token's bits, then
-# depend on N)
+# the streams it reads), then read back by the collapse (8k tokens on an H100: the collapse 102 against about 160
+# us, the partials about 250 us either way; bench/run_session38_gpu.sh). As many as leave MIX_PROGRAMS programs or
+# more (8k tokens of Flash: 16, 1k: 4, 256: 1), outside batch invariance (the sums' order, so a token's bits, then
+# depend on N). The run's length is an argument of both kernels, so no N compiles another kernel after warmup
 MIX_LOOP = 16
 MIX_PROGRAMS = 1024
 BLOCK_D = 512  # channels per write-back program
@@ -51,12 +52,12 @@ if HAVE_TRITON:
         return tl.dot(x, tl.trans(w), input_precision="tf32x3"), tl.sum(x * x, axis=1)
 
     @triton.jit
-    def _mix_partials(X, stride_x, FN, P, N, K, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
-                      TOKENS: tl.constexpr, LOOP: tl.constexpr, PDL: tl.constexpr):
+    def _mix_partials(X, stride_x, FN, P, N, K, LOOP, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+                      TOKENS: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), cdiv(K, BLOCK * LOOP)): TOKENS tokens' partials over LOOP chunks of BLOCK
         inputs (kb * LOOP ..), the chunks' dots on the tensor cores in 3xTF32 (each operand split into a TF32 head
         and tail, three products: float32's accuracy; a bfloat16 x is its own head) summed in order, the sums of
-        squares beside them."""
+        squares beside them. LOOP is an argument, not a constant: one compiled kernel whatever N (``mix_loop``)."""
         kb = tl.program_id(1)
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         live = t < N
@@ -176,8 +177,8 @@ def usable(X: torch.Tensor) -> bool:
 
 
 def mix_loop(N: int, K: int, invariant: bool) -> int:
-    """Chunks of BLOCK_K of the K inputs a mixing-partial program sums for N tokens: the most, up to MIX_LOOP,
-    that leave MIX_PROGRAMS programs or more; 1 (one chunk a program) under batch invariance."""
+    """Chunks of BLOCK_K of the K inputs a mixing-partial program sums for N tokens: the most, up to MIX_LOOP
+    (powers of two), that leave MIX_PROGRAMS programs or more; 1 (one chunk a program) under batch invariance."""
     chunks = -(-N // MIX_TOKENS) * -(-K // BLOCK_K)
     loop = 1
     while not invariant and loop < MIX_LOOP and chunks // (2 * loop) >= MIX_PROGRAMS:
@@ -200,12 +201,13 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
     if N:
         RP = max(16, triton.next_power_of_2(R + 1))
-        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, R=R, RP=RP, BLOCK=BLOCK_K,
-                                                        TOKENS=MIX_TOKENS, LOOP=loop, num_warps=4, **pdl.args())
+        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, loop, R=R, RP=RP, BLOCK=BLOCK_K,
+                                                        TOKENS=MIX_TOKENS, num_warps=4, **pdl.args())
         DP = triton.next_power_of_2(d)
         nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
         _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,
-                        nw, u, eps, norm_eps, K, d, n=n, KBP=triton.next_power_of_2(KB), RP=RP, DP=DP, HEAD=head,
+                        nw, u, eps, norm_eps, K, d, n=n, KBP=triton.next_power_of_2(triton.cdiv(K, BLOCK_K)), RP=RP,
+                        DP=DP, HEAD=head,
                         NORM=norm_weight is not None, num_warps=COLLAPSE_WARPS or (8 if DP >= 2048 else 4),
                         **pdl.args())
         if not head:  # the Sinkhorn: a chain of 2 * iters dependent normalisations, on the side stream if given

@@ -272,9 +272,10 @@ if HAVE_TRITON:
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
 
 
-SKIP = 3  # the single pass stops each source at the token's last valid column (bits 1, 2: sources 1, 2; an 8k
-# chunk's CSA layer 3.36 -> 3.29 ms, window 1.08 -> 1.13 and HCA 1.35 -> 1.42 on an H100 with both: even there; a
-# short prompt's CSA layers skip more)
+SKIP = 2  # the single pass stops a source at the token's last valid column (bits 1, 2: sources 1, 2), the
+# compressed entries' only: on an H100 (bench/prefill_attention_gpu.py, one call) an 8k chunk's CSA layer 3.28 ms
+# with both, 3.20 with 2; a 1k chunk's CSA 0.515 / 0.328 / 0.299 (none / both / 2), HCA 0.282 / 0.262 / 0.258,
+# window 0.202 / 0.198 / 0.196. The window's own skip made an 8k chunk's window layer 1.08 -> 1.13 ms (37th session)
 
 
 SPLIT_PROGRAMS = 64  # single-pass programs (tokens x head blocks) from which the single pass is faster
