@@ -6,7 +6,8 @@
 #   per source at 8k and 1k tokens; TTFT at 1k / 8k on both trees; the 8k prefill's kernel kinds, device timeline
 #   and host functions (profile_prefill.py --gaps --host).
 # PART=c: the last two changes (mHC's run length an argument, sparse attention's SKIP = 2): their CUDA tests, the 8k
-#   window and HCA layers' SKIP rows, TTFT at 1k / 8k on both trees with any compile after warmup.
+#   window and HCA layers' SKIP rows, TTFT at 1k / 8k on both trees with any compile after warmup (SHORT=1: the tests
+#   and this tree's TTFT only).
 # PART=b (decode): the FP4 tensor-core GEMM with one product a decoded pair (FOLD) alone at batch 8 and 32, the
 #   decode step of flash-L20-E128 (FP4 experts, FP8 linears) at batch 32 with and without it; the engine's CUDA tests.
 source bench/call_budget.sh
@@ -29,9 +30,11 @@ elif [ "${PART}" = c ]; then  # after the first two: mHC's run length as an argu
   PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "mhc" 2>&1 | tail -2
   PYTHONPATH=$ROOT timeout 150 python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py 2>&1 | tail -2
   cd bench
-  PYTHONPATH=$ROOT timeout $(left) python3 prefill_attention_gpu.py --tokens 8192 --kinds window HCA --tiles \
-    --skip 0 2 3 2>&1 | grep -Ev "$F" | grep "auto"
-  for tree in "$BASE" "$ROOT"; do
+  [ -z "${SHORT:-}" ] && PYTHONPATH=$ROOT timeout $(left) python3 prefill_attention_gpu.py --tokens 8192 \
+    --kinds window HCA --tiles --skip 0 2 3 2>&1 | grep -Ev "$F" | grep "auto"
+  TREES="$BASE $ROOT"
+  [ -n "${SHORT:-}" ] && TREES=$ROOT
+  for tree in $TREES; do
     echo "== tree: $tree"
     PYTHONPATH=$tree timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 2>&1 | grep -Ev "$F" \
       | grep "compiled after\|^| off"
