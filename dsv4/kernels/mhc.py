@@ -51,13 +51,14 @@ if HAVE_TRITON:
                     other=0.0).to(tl.float32)
         return tl.dot(x, tl.trans(w), input_precision="tf32x3"), tl.sum(x * x, axis=1)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["LOOP"])  # a run of 1 is not a kernel of its own
     def _mix_partials(X, stride_x, FN, P, N, K, LOOP, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
                       TOKENS: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), cdiv(K, BLOCK * LOOP)): TOKENS tokens' partials over LOOP chunks of BLOCK
         inputs (kb * LOOP ..), the chunks' dots on the tensor cores in 3xTF32 (each operand split into a TF32 head
         and tail, three products: float32's accuracy; a bfloat16 x is its own head) summed in order, the sums of
-        squares beside them. LOOP is an argument, not a constant: one compiled kernel whatever N (``mix_loop``)."""
+        squares beside them. LOOP is an argument, not a constant, nor specialised on (Triton would compile a run of
+        1 apart): one compiled kernel whatever N (``mix_loop``)."""
         kb = tl.program_id(1)
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         live = t < N
@@ -78,7 +79,7 @@ if HAVE_TRITON:
         tl.store(P + (t.to(tl.int64)[:, None] * tl.num_programs(1) + kb) * (R + 1) + r[None, :], out,
                  mask=live[:, None] & (r <= R)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["KB"])  # the partials' count follows mix_loop's run: one kernel for all
     def _collapse(P, KB, X, stride_x, SCALE, BASE, POST, COMB, NW, U, eps, norm_eps, K, d,
                   n: tl.constexpr, KBP: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, HEAD: tl.constexpr,
                   NORM: tl.constexpr, PDL: tl.constexpr):
