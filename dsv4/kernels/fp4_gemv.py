@@ -162,9 +162,10 @@ if HAVE_TRITON:
     .reg .b32 a, b, t, u, f;
     prmt.b32 a, $8, $9, 0x5410;
     prmt.b32 b, $8, $9, 0x7632;
-    shl.b32 f, $10, 7; shl.b32 t, $11, 23; or.b32 f, f, t; add.u32 f, f, 0x3F003F00;""" + "\n    shl.b32 a, a, 4; shl.b32 b, b, 4;".join(
-        _E2M1_BF16_STEP_FOLD.format(r="a", out=t) + _E2M1_BF16_STEP_FOLD.format(r="b", out=t + 4)
-        for t in (3, 2, 1, 0)) + "\n    }")
+    shl.b32 f, $10, 7; shl.b32 t, $11, 23; or.b32 f, f, t; add.u32 f, f, 0x3F003F00;""" + (
+        "\n    shl.b32 a, a, 4; shl.b32 b, b, 4;".join(
+            _E2M1_BF16_STEP_FOLD.format(r="a", out=t) + _E2M1_BF16_STEP_FOLD.format(r="b", out=t + 4)
+            for t in (3, 2, 1, 0)) + "\n    }"))
 
     @triton.jit
     def e2m1_word_bf16(w, sb, ASM: tl.constexpr, FOLD: tl.constexpr = False):

@@ -159,8 +159,9 @@ if HAVE_TRITON:
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
         sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
         a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
-        bench/prefill_attention_gpu.py). SKIP (bits 1 and 2: source 1, source 2): that source's blocks end at the token's
-        last valid column (the blocks after it add exact zeros: scores -inf, so m, l and acc are unchanged)."""
+        bench/prefill_attention_gpu.py). SKIP (bits 1 and 2: source 1, source 2): that source's blocks end at the
+        token's last valid column (the blocks after it add exact zeros: scores -inf, so m, l and acc are
+        unchanged)."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

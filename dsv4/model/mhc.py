@@ -94,7 +94,8 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     RMSNorm of it, on the GPU in the collapse's kernel)."""
     if kernel.usable(X):  # two fused kernels on the GPU; the lines below are their twin
         inside, after = _norm_split(norm_weight)
-        return _normed(kernel.hc_head(X, fn, base, scale, eps, norm_eps, inside, invariant=rows_fixed()), after, norm_eps)
+        u = kernel.hc_head(X, fn, base, scale, eps, norm_eps, inside, invariant=rows_fixed())
+        return _normed(u, after, norm_eps)
 
     def head(X):
         m = _mix_logits(X, fn, norm_eps)  # [N, n]
