@@ -4,14 +4,7 @@
 # `git archive HEAD dsv4 | tar -x -C .abbase`) and on this tree; the prefill attention's loop forms (UNIFIED / SKIP
 # in dsv4.kernels.sparse_attention) and tiles at 8k tokens, with a hot-rows diagnosis; TTFT at 1k / 8k on both
 # trees; the 8k prefill's device timeline (profile_prefill.py --gaps); the decode step; the engine's CUDA tests.
-set -u
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-BASE=${BASE:-$ROOT/.abbase}
-START=$SECONDS
-END=$((SECONDS + ${BUDGET:-560}))
-F="Warn|USDT|TRTLLM|cuda_graph_config|_warn_once"
-left() { echo $((END - SECONDS)); }
+source bench/call_budget.sh
 PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py \
   tests/test_kernels_cuda.py -k "indexer or sparse" 2>&1 | tail -3
 cd bench

@@ -25,10 +25,12 @@ if [ "${PART:-a}" = a ]; then
     echo "== tree: $tree"
     PYTHONPATH=$tree timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 2>&1 | grep -Ev "$F" | tail -4
   done
-  PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 14 --gaps --host 2>&1 | grep -Ev "$F" | tail -110
+  PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 14 --gaps --host 2>&1 \
+    | grep -Ev "$F" | tail -110
 elif [ "${PART}" = c ]; then  # after the first two: mHC's run length as an argument, SKIP = 2
   PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "mhc" 2>&1 | tail -2
-  T=$(left); [ $T -gt 120 ] && T=120; PYTHONPATH=$ROOT timeout $T python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py 2>&1 | tail -2
+  T=$(left); [ $T -gt 120 ] && T=120
+  PYTHONPATH=$ROOT timeout $T python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py 2>&1 | tail -2
   cd bench
   [ -z "${SHORT:-}" ] && PYTHONPATH=$ROOT timeout $(left) python3 prefill_attention_gpu.py --tokens 8192 \
     --kinds window HCA --tiles --skip 0 2 3 2>&1 | grep -Ev "$F" | grep "auto"

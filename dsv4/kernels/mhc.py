@@ -28,10 +28,12 @@ MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N
 # summed on the CUDA cores) was latency-bound at prefill sizes: 1.5 ms a launch for 8k tokens on an H200
 # A mixing-partial program of a prefill chunk sums up to MIX_LOOP chunks of BLOCK_K inputs before it writes
 # (mix_loop): a chunk each wrote N x n*d/64 x 25 float32 partials, 210 MB for 8k tokens of Flash (as many bytes as
-# the streams it reads), then read back by the collapse (8k tokens on an H100: the collapse 102 against about 160
-# us, the partials about 250 us either way; bench/run_session38_gpu.sh). As many as leave MIX_PROGRAMS programs or
-# more (8k tokens of Flash: 16, 1k: 4, 256: 1), outside batch invariance (the sums' order, so a token's bits, then
-# depend on N). The run's length is an argument of both kernels, so no N compiles another kernel after warmup
+# the streams it reads), then read back by the collapse (8k tokens on an H100, with the run a constant: the collapse
+# 102 against about 160 us, the partials about 250 us either way; bench/run_session38_gpu.sh). Since the run is an
+# argument the collapse's tile of partials is that of a run of 1 (masked past the run's count; not timed). As many
+# as leave MIX_PROGRAMS programs or more (8k tokens of Flash: 16, 1k: 4, 256: 1), outside batch invariance (the
+# sums' order, so a token's bits, then depend on N). The run's length is an argument of both kernels, so no N
+# compiles another kernel after warmup
 MIX_LOOP = 16
 MIX_PROGRAMS = 1024
 BLOCK_D = 512  # channels per write-back program
