@@ -62,7 +62,7 @@ def kernels():
                          dict(n=4, KBP=256, RP=32, DP=4096, HEAD=False, NORM=True, PDL=True),
                          ("P", "KB", "X", "stride_x", "POST", "COMB", "NW", "U", "K", "d"), 8),
         "mhc_partials": (mhc._mix_partials, {"X": "*bf16", "FN": "*fp32", "P": "*fp32"},
-                         dict(R=24, RP=32, BLOCK=mhc.BLOCK_K, TOKENS=mhc.MIX_TOKENS, PDL=True),
+                         dict(R=24, RP=32, BLOCK=mhc.BLOCK_K, TOKENS=mhc.MIX_TOKENS, BF16=True, PDL=True),
                          ("X", "stride_x", "FN", "P", "K"), 4),
         "fp4_tc": (moe._grouped_gemm_kernel, fp4_tc,
                    dict(GATHER=True, BLOCK_M=16, BLOCK_N=tc["BLOCK_N"], BLOCK_K=tc["BLOCK_K"], IEEE=False, FP4=True,

@@ -173,6 +173,10 @@ def test_mhc_kernels_match_twins(dtype, N, d, monkeypatch):
         head_runs = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6)
     # within rounding of the invariant layout's
     assert rel_err(runs[0], inv[0]) < tol and rel_err(runs[1], inv[1]) < 1e-5 and rel_err(runs[2], inv[2]) < 1e-5
+    with monkeypatch.context() as m:  # a bfloat16 X's products in 3xTF32 instead: float32's accuracy alike
+        m.setattr(kernel, "MIX_BF16", False)
+        tf32 = mhc.hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
+    assert rel_err(tf32[0], u) < tol and rel_err(tf32[1], post) < 1e-5 and rel_err(tf32[2], comb) < 1e-5
     assert rel_err(head_runs.cpu(), head_ref) < tol
     _poison_allocator(N * n * d * 4, dtype)
     head = mhc.hc_head(X, fh, bh, scale[:1], 1e-6, 1e-6)
@@ -180,6 +184,10 @@ def test_mhc_kernels_match_twins(dtype, N, d, monkeypatch):
     _poison_allocator(N * n * d * 4, dtype)
     out = mhc.hc_post(y, X, post_ref.cuda(), comb_ref.cuda())
     assert out.dtype == dtype and torch.isfinite(out).all() and rel_err(out.cpu(), out_ref) < tol
+    for wide in (1, N + 1):  # the write-back's two tiles (by N): the same bits
+        with monkeypatch.context() as m:
+            m.setattr(kernel, "POST_WIDE_TOKENS", wide)
+            assert torch.equal(mhc.hc_post(y, X, post_ref.cuda(), comb_ref.cuda()), out)
     # with the sub-block's norm folded in: the twin's collapse then RMSNorm, and on the GPU the collapse followed
     # by the RMSNorm kernel (its own reduction order: within the tolerance)
     from dsv4.kernels.norm import rms_norm

@@ -5,8 +5,8 @@ twins are the CPU branches of ``dsv4.model.mhc``.
 
 The collapse runs in two launches. ``_mix_partials`` splits the n*d inputs of each token into chunks and
 writes, per chunk (per run of MIX_LOOP chunks at prefill sizes, ``mix_loop``), its dot products with the mixing
-rows and its sum of squares; ``_collapse`` adds the
-chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
+rows on the tensor cores to float32's accuracy (a bfloat16 X in bfloat16 products, the float32 rows split in three
+bfloat16 parts; else 3xTF32) and its sum of squares; ``_collapse`` adds the chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
 the weighted sum, one program a token over all of d, and then, given the sub-block's norm weight, the RMSNorm that
 the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs and on the run
 length N gives (under batch invariance on its own inputs only).
@@ -36,7 +36,17 @@ MIX_TOKENS = 64  # tokens per mixing-partial program, the dot's rows, whatever N
 # compiles another kernel after warmup
 MIX_LOOP = 16
 MIX_PROGRAMS = 1024
-BLOCK_D = 512  # channels per write-back program
+MIX_BF16 = True  # a bfloat16 X's partials in bfloat16 products (the mixing rows in three parts), else 3xTF32: on
+# an H100 (bench/mhc_prefill_gpu.py, Flash's widths, float64's error alike) 8k tokens 279 -> 124 us (2.2 TB/s of
+# streams read), 1k 38.8 -> 23.0, 32 3.7 -> 3.5; hc_pre whole at 8k 399 -> 247 us. No x in float32 to split: the
+# loop is 318 SASS instructions against 552, 80 registers against 158
+MIX_WARPS, MIX_STAGES = 4, None  # a mixing-partial program's warps and software-pipeline depth (None: Triton's;
+# 8 warps or 2 or 4 stages, or chunks of 128 inputs, were slower at 1k and 8k tokens in either precision)
+BLOCK_D = 512  # channels per write-back program below POST_WIDE_TOKENS tokens, twice as many from there on: on an
+# H100 (bench/mhc_prefill_gpu.py, Flash's widths) 8k tokens 236 -> 217 us, 1k 29.0 -> 28.5, 1 token 1.5 -> 1.6; the
+# same bits (each channel's sum over the streams is the same whatever the tile)
+POST_WIDE_TOKENS = 256
+POST_WARPS = 4  # warps of a write-back program
 COLLAPSE_WARPS: int | None = None  # warps of a collapse program (one a token); None: 8 from d = 2048 on, else 4
 
 if HAVE_TRITON:
@@ -46,21 +56,34 @@ if HAVE_TRITON:
     from .pdl import enter, load_weight_and_enter
 
     @triton.jit
-    def _mix_chunk(X, stride_x, t, live, k, mk, w):
-        """TOKENS tokens' inputs ``k`` (float32 [TOKENS, BLOCK], 0 past N or K) against the mixing rows' chunk
-        ``w`` [RP, BLOCK] -> (the dots [TOKENS, RP] on the tensor cores in 3xTF32, the sums of squares [TOKENS])."""
+    def _mix_chunk(X, stride_x, t, live, k, mk, w, BF16: tl.constexpr):
+        """TOKENS tokens' inputs ``k`` ([TOKENS, BLOCK], 0 past N or K) against the mixing rows' chunk ``w``
+        (float32 [RP, BLOCK]) -> (the dots [TOKENS, RP] on the tensor cores to float32's accuracy, the sums of
+        squares [TOKENS]). BF16 (a bfloat16 x): w split into three bfloat16 parts (w0 + w1 + w2 holds its 24
+        bits), three bfloat16 products into one float32 sum, smallest part first; x as it is (exact). Else x in
+        float32 and 3xTF32 (each operand split into a TF32 head and tail, three products)."""
         x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=live[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
+        if BF16:
+            w0 = w.to(tl.bfloat16)
+            rest = w - w0.to(tl.float32)
+            w1 = rest.to(tl.bfloat16)
+            w2 = (rest - w1.to(tl.float32)).to(tl.bfloat16)
+            dots = tl.dot(x, tl.trans(w2))
+            dots = tl.dot(x, tl.trans(w1), dots)
+            dots = tl.dot(x, tl.trans(w0), dots)
+            xf = x.to(tl.float32)
+            return dots, tl.sum(xf * xf, axis=1)
+        x = x.to(tl.float32)
         return tl.dot(x, tl.trans(w), input_precision="tf32x3"), tl.sum(x * x, axis=1)
 
     @triton.jit(do_not_specialize=["LOOP"])  # a run of 1 is not a kernel of its own
     def _mix_partials(X, stride_x, FN, P, N, K, LOOP, R: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
-                      TOKENS: tl.constexpr, PDL: tl.constexpr):
+                      TOKENS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
         """Grid (cdiv(N, TOKENS), cdiv(K, BLOCK * LOOP)): TOKENS tokens' partials over LOOP chunks of BLOCK
-        inputs (kb * LOOP ..), the chunks' dots on the tensor cores in 3xTF32 (each operand split into a TF32 head
-        and tail, three products: float32's accuracy; a bfloat16 x is its own head) summed in order, the sums of
-        squares beside them. LOOP is an argument, not a constant, nor specialised on (Triton would compile a run of
-        1 apart): one compiled kernel whatever N (``mix_loop``)."""
+        inputs (kb * LOOP ..), the chunks' dots on the tensor cores to float32's accuracy (``_mix_chunk``) summed
+        in order, the sums of squares beside them. LOOP is an argument, not a constant, nor specialised on (Triton
+        would compile a run of 1 apart): one compiled kernel whatever N (``mix_loop``)."""
         kb = tl.program_id(1)
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         live = t < N
@@ -69,12 +92,12 @@ if HAVE_TRITON:
         mk = k < K
         w_rows = FN + r[:, None] * K + k[None, :]  # the mixing rows: a weight, before the wait under PDL RELEASE
         w = load_weight_and_enter(w_rows, (r < R)[:, None] & mk[None, :], PDL).to(tl.float32)
-        dots, sq = _mix_chunk(X, stride_x, t, live, k, mk, w)
+        dots, sq = _mix_chunk(X, stride_x, t, live, k, mk, w, BF16)
         for j in range(1, LOOP):  # prefill sizes: fewer partials to write and read back
             k = (kb * LOOP + j) * BLOCK + tl.arange(0, BLOCK)
             mk = k < K
             w = tl.load(FN + r[:, None] * K + k[None, :], mask=(r < R)[:, None] & mk[None, :], other=0.0)
-            d_j, sq_j = _mix_chunk(X, stride_x, t, live, k, mk, w.to(tl.float32))
+            d_j, sq_j = _mix_chunk(X, stride_x, t, live, k, mk, w.to(tl.float32), BF16)
             dots += d_j
             sq += sq_j
         out = tl.where(r[None, :] == R, sq[:, None], dots)  # column R: the sum of squares
@@ -204,8 +227,10 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
     if N:
         RP = max(16, triton.next_power_of_2(R + 1))
+        stages = {} if MIX_STAGES is None else {"num_stages": MIX_STAGES}
         _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, loop, R=R, RP=RP, BLOCK=BLOCK_K,
-                                                        TOKENS=MIX_TOKENS, num_warps=4, **pdl.args())
+                                                        TOKENS=MIX_TOKENS, BF16=MIX_BF16 and X.dtype == torch.bfloat16,
+                                                        num_warps=MIX_WARPS, **stages, **pdl.args())
         DP = triton.next_power_of_2(d)
         nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
         _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,
@@ -242,6 +267,7 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     X, y = X.contiguous(), y.contiguous()
     out = torch.empty_like(X)
     if N:
-        _post[(N, triton.cdiv(d, BLOCK_D))](y, X, post.float().contiguous(), comb.float().contiguous(), out, d,
-                                            n=n, BLOCK=BLOCK_D, num_warps=4, **pdl.args())
+        block = BLOCK_D if N < POST_WIDE_TOKENS else 2 * BLOCK_D
+        _post[(N, triton.cdiv(d, block))](y, X, post.float().contiguous(), comb.float().contiguous(), out, d, n=n,
+                                          BLOCK=block, num_warps=POST_WARPS, **pdl.args())
     return out
