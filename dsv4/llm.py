@@ -33,9 +33,10 @@ log = logging.getLogger("dsv4")
 
 
 def _token_ids(p) -> bool:
-    """Whether every element of p is an integer token id (bool is not). Plain ints take the fast test: the
-    ABC check costs about 0.7 us a token (6 ms of host time before an 8k prompt's prefill starts)."""
-    return all(type(t) is int for t in p) or all(is_int(t) for t in p)
+    """Whether every element of p is an integer token id (bool is not). Plain ints take the fast test, the set of
+    the elements' types (an 8k prompt on the CPU machine: 0.19 ms, against 0.6 for a generator of ``type(t) is
+    int`` and about 6 for the ABC check, which only other types reach)."""
+    return set(map(type, p)) <= {int} or all(is_int(t) for t in p)
 
 
 class LLM:
