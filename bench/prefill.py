@@ -75,8 +75,14 @@ def main():
     ap.add_argument("--mtp-rows", nargs="+", default=["kept"], choices=["kept", "all"],
                     help="the MTP catch-up pass over each request's last swa_cap rows (kept, engine/mtp_rows.py) or"
                          " over every row of the chunk (all: ModelRunner.mtp_tail_rows off), for the ratio")
+    ap.add_argument("--fuse-q-norm", action="store_true",
+                    help="the attention's single pass norms and ropes q as it loads it (sparse_attention.FUSE_Q_NORM)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    if args.fuse_q_norm:
+        from dsv4.kernels import sparse_attention
+
+        sparse_attention.FUSE_Q_NORM = True  # before the engine is built: its prefill graphs capture the path
     if args.moe_rows:
         from dsv4.kernels import moe
 

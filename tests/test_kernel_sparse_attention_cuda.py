@@ -96,3 +96,31 @@ def test_sparse_attention_writes_every_output():
     ok = torch.ones(64, 128, dtype=torch.bool, device=dev)
     out = sparse_sink_attention(q, [(kv, idx, ok)], torch.zeros(64, device=dev), 512 ** -0.5)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype, N, H, D, K2, split", [
+    (torch.bfloat16, 200, 64, 512, 512, None),  # the wide tile
+    (torch.bfloat16, 40, 64, 512, 77, 0),  # the default tile
+    (torch.bfloat16, 3, 64, 512, 77, None),  # the split path: the norm's own kernel first
+    (torch.float32, 70, 64, 512, 130, 0),
+    (torch.float32, 9, 8, 64, 20, 0),  # a rope as wide as half the row
+])
+def test_sparse_sink_attention_norms_raw_q(dtype, N, H, D, K2, split):
+    """``q_norm``: a raw q RMS-normed per head and roped in the single pass's prologue (FUSE_Q_NORM) against the
+    norm's own kernel first (every path), and both against the float64 twin of norm, rope and attention."""
+    from dsv4.kernels import sparse_attention as sa
+    from dsv4.model.ops import Rope, apply_rope, rms_norm
+
+    q, src, sink, _ = _attention_case(dtype, N, H, D, 300, 129, 2000, K2)
+    q = q * 3  # not unit-scaled: the norm does something
+    R = min(64, D // 2)
+    table = 1.0 / (10000 ** (torch.arange(0, R, 2, device="cuda").float() / R))
+    positions = torch.randint(0, 9000, (N,), device="cuda")
+    rope = Rope(table, positions)
+    qn = apply_rope(rms_norm(q.double().cpu(), None, 1e-6), Rope(table.double().cpu(), positions.cpu())).cuda()
+    ref = sparse_sink_attention_ref(qn, [(k.double(), i, v) for k, i, v in src], sink.double(), D ** -0.5)
+    fused = sa._sparse_sink_attention(q, src, sink, D ** -0.5, split, q_norm=(1e-6, rope), fuse=True)
+    apart = sa._sparse_sink_attention(q, src, sink, D ** -0.5, split, q_norm=(1e-6, rope), fuse=False)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.isfinite(fused).all() and rel_err(fused, ref) < tol and rel_err(apart, ref) < tol
+    assert rel_err(fused, apart) < tol

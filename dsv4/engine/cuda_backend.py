@@ -120,13 +120,16 @@ class CudaBackend(CachedBackend):
                                       invariant=rows_fixed())
         return CacheRows(entries.storage, rows, valid, entries.scale), valid.unsqueeze(1)
 
-    def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float):
+    fuses_q_norm = True  # attend takes the raw q and its norm (``q_norm``): the kernel's path decides who norms it
+
+    def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float,
+               q_norm=None):
         sources = [window.source()]
         if compressed is not None:
             rows, visible = compressed
             sources.append(replace(rows, valid=visible[:, 0]).source())
         split = 0 if rows_fixed() else None  # batch invariance: one path whatever the batch size
-        return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale, split).unsqueeze(1)
+        return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale, split, q_norm).unsqueeze(1)
 
 
 class PrefillCudaBackend(CudaBackend):

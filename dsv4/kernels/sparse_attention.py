@@ -43,6 +43,7 @@ import torch
 
 from . import HAVE_TRITON, on, pdl
 from .fp8 import FP8_BLOCK, dequantize_fp8
+from .rope import angles_fit
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
@@ -91,6 +92,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .pdl import enter
+    from .rope import angle_inputs, cos_sin
 
     @triton.jit
     def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr):
@@ -150,18 +152,41 @@ if HAVE_TRITON:
         return end
 
     @triton.jit
+    def _norm_rope_q(q, POS, FREQ, n, eps, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """q [BLOCK_H, D] (one token's heads) RMS-normed per head and its pairs (2i, 2i+1) from D - R on rotated by
+        position POS[n] times FREQ[i - (D - R)/2], in q's dtype: ``kernels.norm._rms_norm_rope_kernel``'s steps
+        (without a weight), the row split into its pairs' halves in registers."""
+        i = tl.arange(0, D // 2)
+        in_rope = i >= (D - R) // 2
+        j = tl.where(in_rope, i - (D - R) // 2, 0)
+        pos, freq = angle_inputs(POS, FREQ, n, j, in_rope)
+        a, b = tl.split(tl.reshape(q.to(tl.float32), (BLOCK_H, D // 2, 2)))
+        cs, sn = cos_sin(pos, freq, in_rope)
+        cs, sn = cs[None, :], sn[None, :]
+        rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
+        a = (a * rstd[:, None]).to(q.dtype).to(tl.float32)  # the norm's rounding
+        b = (b * rstd[:, None]).to(q.dtype).to(tl.float32)
+        ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
+        rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
+        return tl.reshape(tl.join(ra.to(q.dtype), rb.to(q.dtype)), (BLOCK_H, D))
+
+    @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
                                  KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
                                  KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
+                                 POS, FREQ, q_eps,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                  IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                                 SKIP: tl.constexpr, PDL: tl.constexpr):
+                                 SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
         sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
         a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
         bench/prefill_attention_gpu.py). SKIP (bits 1 and 2: source 1, source 2): that source's blocks end at the
         token's last valid column (the blocks after it add exact zeros: scores -inf, so m, l and acc are
-        unchanged)."""
+        unchanged). QNORM: q as the projection left it, each head RMS-normed (no weight, q_eps) and its last R
+        channels roped by position POS[n] and the table FREQ [R/2] here, as ``kernels.norm.rms_norm_rope`` does
+        (rounded to q's dtype after the norm and after the rope), instead of a kernel of its own that writes q and
+        this one that reads it back."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -174,6 +199,14 @@ if HAVE_TRITON:
         if SKIP & 2:
             E2 = _valid_end(VAL2, n, stride_i2, K2, 256)
         q = tl.load(Q + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        if QNORM:  # normed q parked in the program's own output rows (in L2; the output overwrites them) and read
+            # back as a plain load: the dots then take it as they take a loaded q (from registers, the wide
+            # tile's loop compiled to 1808 SASS instructions a key block with 92 spill loads, against 1397 and 11)
+            dst = OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :]
+            tl.store(dst, _norm_rope_q(q, POS, FREQ, n, q_eps, D, R, BLOCK_H).to(OUT.dtype.element_ty),
+                     mask=hmask[:, None])
+            tl.debug_barrier()  # the program's stores before its loads (bar.sync: visible to the whole CTA)
+            q = tl.load(dst, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
         # the sink starts the running max and contributes exp(sink - m) to the denominator, no value
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         l = tl.full([BLOCK_H], 1.0, tl.float32)
@@ -309,12 +342,26 @@ def wide_tile(H: int, fp8: bool = False) -> tuple:
     return (max(16, min(64, triton.next_power_of_2(H))), 32 if fp8 else 64, 8, 2)
 
 
+FUSE_Q_NORM = False  # the single pass norms and ropes a raw q itself (``q_norm``); not yet measured on a GPU
+
+
+def _normed_q(q: torch.Tensor, q_norm) -> torch.Tensor:
+    """q with each head RMS-normed and roped as ``q_norm`` = (eps, rope) says, by its own kernel (or twin)."""
+    from ..model.ops import rms_norm_rope  # lazy: model.ops imports kernels
+
+    eps, rope = q_norm
+    return rms_norm_rope(q, None, eps, rope)
+
+
 def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
-                           split: int | None = None, tile: tuple | None = None) -> torch.Tensor:
+                           split: int | None = None, tile: tuple | None = None, q_norm=None,
+                           fuse: bool | None = None) -> torch.Tensor:
     """The Triton launch on any device Triton runs on (the interpreter's CPU tensors too). ``split``: None =
     ``split_for(K1, K2)``, 0 = single pass, else the split path with chunks of ``split`` keys (a power of two,
     at least 32; tests and bench/attention_split.py). ``tile``: the single pass's (BLOCK_H, BLOCK_K, num_warps,
-    num_stages) instead of the default (tests, benches)."""
+    num_stages) instead of the default (tests, benches). ``q_norm`` (eps, rope): q is raw, to be RMS-normed per
+    head and roped first; the single pass does it in its prologue when ``fuse`` (default FUSE_Q_NORM), any other
+    launch after the norm's own kernel."""
     N, H, D = q.shape
     if len(sources) == 1:
         sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0], *sources[0][3:])]
@@ -339,15 +386,23 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             tile = wide_tile(H, fp8)
     block_k = 16 if D >= 512 and ieee else 32
     num_warps = 4 if D <= 128 else 8
+    fused = (q_norm is not None and not split and (FUSE_Q_NORM if fuse is None else fuse)
+             and angles_fit(q, q_norm[1].table, q_norm[1].positions))
+    if q_norm is not None and not fused:
+        q = _normed_q(q, q_norm)
     if not split:
         block_h, block_k, num_warps, stages = tile or (BLOCK_H, block_k, num_warps, None)
         extra = {} if stages is None else {"num_stages": stages}
+        rope = q_norm[1] if fused else None
         _sparse_sink_attn_kernel[(N, triton.cdiv(H, block_h))](
             q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
             kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
+            rope.positions.contiguous() if fused else i1, rope.table.contiguous() if fused else sink,
+            q_norm[0] if fused else 0.0,  # (unused pointers and eps without the fused norm)
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            SKIP=SKIP, num_warps=num_warps, **extra, **pdl.args())
+            SKIP=SKIP, QNORM=fused, R=2 * rope.table.shape[-1] if fused else 0, num_warps=num_warps, **extra,
+            **pdl.args())
         return out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
@@ -370,10 +425,11 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
 
 
 def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
-                          split: int | None = None) -> torch.Tensor:
+                          split: int | None = None, q_norm=None) -> torch.Tensor:
     """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]. ``split``:
     None = the path ``split_for`` picks for N tokens (and the wide tile from ``WIDE_TOKENS`` tokens); 0 = always
-    the single pass with its default tile (batch-invariant)."""
+    the single pass with its default tile (batch-invariant). ``q_norm`` (eps, rope): q is raw (normed and roped
+    here: ``_sparse_sink_attention``)."""
     if not on(q):
-        return sparse_sink_attention_ref(q, sources, sink, scale)
-    return _sparse_sink_attention(q, sources, sink, scale, split)
+        return sparse_sink_attention_ref(q if q_norm is None else _normed_q(q, q_norm), sources, sink, scale)
+    return _sparse_sink_attention(q, sources, sink, scale, split, q_norm=q_norm)

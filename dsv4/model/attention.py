@@ -72,7 +72,9 @@ class AttentionBackend(Protocol):
     def attend(self, q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
         """q [G, Tq, H, D] over the window keys and the selected compressed entries, one softmax with the
         sink -> [G, Tq, H, D]. ``window`` / ``compressed[0]`` are whatever ``window`` / ``compressed``
-        returned (gathered tensors, or a kernel backend's handles on the cache)."""
+        returned (gathered tensors, or a kernel backend's handles on the cache). A backend whose
+        ``fuses_q_norm`` is True (absent: False) also takes ``q_norm`` = (eps, rope): q is then the raw
+        projection, each head to be RMS-normed and roped (``ops.rms_norm_rope``) before it attends."""
 
 
 def attend_gathered(q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -274,7 +276,9 @@ class Attention(nn.Module):
         xs = self.project_input(x)
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
-        q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
+        fuse = getattr(backend, "fuses_q_norm", False)  # the attention kernel norms and ropes q as it loads it
+        if not fuse:
+            q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
         window = self._window(xs["kv"], rope, backend)
         compressed = None
         if self.compressor is not None:
@@ -285,7 +289,11 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 compressed = self.indexer.select(xs, c_q, rope, compressed, backend, self.layer_id)
 
-        o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
+        if fuse:
+            o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5,
+                               q_norm=(cfg.norm_eps, rope))
+        else:
+            o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
         o = apply_rope(backend.ungroup(o), rope, inverse=True, in_place=True)  # de-rotate: values carried rope too
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
