@@ -94,9 +94,9 @@ def test_the_kernel_path_keeps_one_attention_path(monkeypatch):
     splits = []
     real = cuda_backend.sparse_sink_attention
 
-    def spy(q, sources, sink, scale, split=None):
+    def spy(q, sources, sink, scale, split=None, q_norm=None):
         splits.append(split)
-        return real(q, sources, sink, scale, split)
+        return real(q, sources, sink, scale, split, q_norm)
 
     monkeypatch.setattr(cuda_backend, "sparse_sink_attention", spy)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]

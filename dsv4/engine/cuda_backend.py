@@ -24,8 +24,9 @@ import torch
 
 from .. import env, kernels
 from ..kernels.indexer import select_top_rows
-from ..kernels.sparse_attention import sparse_sink_attention
+from ..kernels.sparse_attention import fuses_q_norm, sparse_sink_attention
 from ..model.attention import Compressor
+from ..model.ops import rms_norm_rope
 from ..model.rows import active as rows_fixed
 from .backend import CachedBackend
 
@@ -120,7 +121,7 @@ class CudaBackend(CachedBackend):
                                       invariant=rows_fixed())
         return CacheRows(entries.storage, rows, valid, entries.scale), valid.unsqueeze(1)
 
-    fuses_q_norm = True  # attend takes the raw q and its norm (``q_norm``): the kernel's path decides who norms it
+    takes_raw_q = True  # attend takes the raw q and its norm (``q_norm``): the attention's path decides who norms
 
     def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float,
                q_norm=None):
@@ -129,7 +130,10 @@ class CudaBackend(CachedBackend):
             rows, visible = compressed
             sources.append(replace(rows, valid=visible[:, 0]).source())
         split = 0 if rows_fixed() else None  # batch invariance: one path whatever the batch size
-        return sparse_sink_attention(q[:, 0].contiguous(), sources, sink, scale, split, q_norm).unsqueeze(1)
+        q = q[:, 0].contiguous()
+        if q_norm is not None and not fuses_q_norm(q, sources, split, q_norm[1]):
+            q, q_norm = rms_norm_rope(q, None, *q_norm), None  # the norm's own kernel (or twin) first
+        return sparse_sink_attention(q, sources, sink, scale, split, q_norm).unsqueeze(1)
 
 
 class PrefillCudaBackend(CudaBackend):

@@ -43,6 +43,7 @@ import torch
 
 from . import HAVE_TRITON, on, pdl
 from .fp8 import FP8_BLOCK, dequantize_fp8
+from . import norm as norm_kernel
 from .rope import angles_fit
 
 
@@ -345,12 +346,16 @@ def wide_tile(H: int, fp8: bool = False) -> tuple:
 FUSE_Q_NORM = False  # the single pass norms and ropes a raw q itself (``q_norm``); not yet measured on a GPU
 
 
-def _normed_q(q: torch.Tensor, q_norm) -> torch.Tensor:
-    """q with each head RMS-normed and roped as ``q_norm`` = (eps, rope) says, by its own kernel (or twin)."""
-    from ..model.ops import rms_norm_rope  # lazy: model.ops imports kernels
-
-    eps, rope = q_norm
-    return rms_norm_rope(q, None, eps, rope)
+def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
+    """Whether ``sparse_sink_attention(q, sources, .., split, q_norm=(eps, rope))`` norms and ropes a raw q
+    itself: FUSE_Q_NORM on, the kernels on q's device, the single pass taken (``split_for``), and a rope the
+    kernel takes (``rope.table`` [R/2] float32, ``rope.positions`` [N] integers). Otherwise the caller norms q
+    first (``model.ops.rms_norm_rope``) and passes no ``q_norm``."""
+    if not (FUSE_Q_NORM and on(q) and angles_fit(q, rope.table, rope.positions)):
+        return False
+    N, H, D = q.shape
+    K = [src[1].shape[1] for src in sources] + [0]
+    return not (split_for(N, triton.cdiv(H, BLOCK_H), K[0], K[1]) if split is None else split)
 
 
 def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
@@ -361,7 +366,7 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     at least 32; tests and bench/attention_split.py). ``tile``: the single pass's (BLOCK_H, BLOCK_K, num_warps,
     num_stages) instead of the default (tests, benches). ``q_norm`` (eps, rope): q is raw, to be RMS-normed per
     head and roped first; the single pass does it in its prologue when ``fuse`` (default FUSE_Q_NORM), any other
-    launch after the norm's own kernel."""
+    launch (tests) after the norm's own kernel (``kernels.norm``; the rope must fit it)."""
     N, H, D = q.shape
     if len(sources) == 1:
         sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0], *sources[0][3:])]
@@ -389,7 +394,7 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     fused = (q_norm is not None and not split and (FUSE_Q_NORM if fuse is None else fuse)
              and angles_fit(q, q_norm[1].table, q_norm[1].positions))
     if q_norm is not None and not fused:
-        q = _normed_q(q, q_norm)
+        q = norm_kernel.rms_norm_rope(q, None, q_norm[0], q_norm[1].table, q_norm[1].positions)
     if not split:
         block_h, block_k, num_warps, stages = tile or (BLOCK_H, block_k, num_warps, None)
         extra = {} if stages is None else {"num_stages": stages}
@@ -428,8 +433,10 @@ def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: f
                           split: int | None = None, q_norm=None) -> torch.Tensor:
     """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]. ``split``:
     None = the path ``split_for`` picks for N tokens (and the wide tile from ``WIDE_TOKENS`` tokens); 0 = always
-    the single pass with its default tile (batch-invariant). ``q_norm`` (eps, rope): q is raw (normed and roped
-    here: ``_sparse_sink_attention``)."""
+    the single pass with its default tile (batch-invariant). ``q_norm`` (eps, rope): q is raw, normed and roped
+    in the single pass's prologue; only where ``fuses_q_norm`` says it is."""
+    if q_norm is not None and not fuses_q_norm(q, sources, split, q_norm[1]):
+        raise ValueError("sparse_sink_attention: q_norm only where fuses_q_norm holds; norm q first otherwise")
     if not on(q):
-        return sparse_sink_attention_ref(q if q_norm is None else _normed_q(q, q_norm), sources, sink, scale)
-    return _sparse_sink_attention(q, sources, sink, scale, split, q_norm=q_norm)
+        return sparse_sink_attention_ref(q, sources, sink, scale)
+    return _sparse_sink_attention(q, sources, sink, scale, split, q_norm=q_norm, fuse=q_norm is not None)

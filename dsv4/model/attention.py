@@ -73,7 +73,7 @@ class AttentionBackend(Protocol):
         """q [G, Tq, H, D] over the window keys and the selected compressed entries, one softmax with the
         sink -> [G, Tq, H, D]. ``window`` / ``compressed[0]`` are whatever ``window`` / ``compressed``
         returned (gathered tensors, or a kernel backend's handles on the cache). A backend whose
-        ``fuses_q_norm`` is True (absent: False) also takes ``q_norm`` = (eps, rope): q is then the raw
+        ``takes_raw_q`` is True (absent: False) also takes ``q_norm`` = (eps, rope): q is then the raw
         projection, each head to be RMS-normed and roped (``ops.rms_norm_rope``) before it attends."""
 
 
@@ -276,7 +276,7 @@ class Attention(nn.Module):
         xs = self.project_input(x)
         c_q = self.q_norm(xs["q"])  # [N, q_lora], reused by the indexer
         q = self.wq_b(c_q).view(N, H, D)
-        fuse = getattr(backend, "fuses_q_norm", False)  # the attention kernel norms and ropes q as it loads it
+        fuse = getattr(backend, "takes_raw_q", False)  # the attention (its kernel, or the backend) norms q
         if not fuse:
             q = rms_norm_rope(q, None, cfg.norm_eps, rope)  # per-head unweighted norm, then rope
         window = self._window(xs["kv"], rope, backend)
