@@ -1,10 +1,11 @@
-"""mHC's prefill kernels alone. The mixing partials (``dsv4.kernels.mhc._mix_partials``, the first launch of ``hc_pre``): a bfloat16 X
-against the mixing rows in bfloat16 products (the rows split in three parts, ``BF16``) or in 3xTF32, over chunks of
-64 or 128 inputs, 4 or 8 warps, Triton's pipeline depth or another. Flash's widths (4 streams of 4096, 24 mixing
-rows). GPU us per launch (``graph_us``: LAUNCHES launches captured in one CUDA graph over 4 input copies, median of
-5), the streams' read bandwidth, and the summed partials' error against float64 on the GPU. Then ``hc_pre`` whole
-with ``mhc.MIX_BF16`` on and off. Then the write-back (``hc_post``) in programs of 512 to 4096 channels
-(``mhc.BLOCK_D`` at every N) and 4 to 16 warps (``mhc.POST_WARPS``): us and its bandwidth (X and y read, X' written)."""
+"""mHC's prefill kernels alone. The mixing partials (``dsv4.kernels.mhc._mix_partials``, the first launch of
+``hc_pre``): a bfloat16 X against the mixing rows in bfloat16 products (the rows split in three parts, ``BF16``)
+or in 3xTF32, over chunks of 64 or 128 inputs, 4 or 8 warps, Triton's pipeline depth or another. Flash's widths (4
+streams of 4096, 24 mixing rows). GPU us per launch (``graph_us``: LAUNCHES launches captured in one CUDA graph
+over 4 input copies, median of 5), the streams' read bandwidth, and the summed partials' error against float64 on
+the GPU. Then ``hc_pre`` whole with ``mhc.MIX_BF16`` on and off. Then the write-back (``hc_post``) in programs of
+512 to 4096 channels (``mhc.BLOCK_D`` at every N) and 4 to 16 warps (``mhc.POST_WARPS``): us and its bandwidth (X
+and y read, X' written)."""
 
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ def main():
     with counting:
         for _ in range(args.steps):
             eng.step()
-    print(f"== k={args.k} c={args.concurrency} overlap {'off' if args.sync else 'on'}: {sum(seen.values())} synchronising"
-          f" calls in {args.steps} steps")
+    print(f"== k={args.k} c={args.concurrency} overlap {'off' if args.sync else 'on'}: {sum(seen.values())}"
+          f" synchronising calls in {args.steps} steps")
     for (msg, where), n in seen.most_common():
         print(f"{n:5d}  {msg} | {where}")
 

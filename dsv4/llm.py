@@ -22,7 +22,7 @@ from .engine.config import EngineConfig, EngineConfigError, KvCacheConfig, from_
 from .engine.engine import RequestError
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.resolved import dtype_name, resolve, resolve_dtype
-from .engine.sampling_params import SamplingParams, is_int
+from .engine.sampling_params import SamplingParams, is_int, plain_ints
 from .engine.warmup import run_warmup
 from .kernels.compiles import COMPILES
 from .model.expert_weights import check_fp4_shapes
@@ -33,10 +33,9 @@ log = logging.getLogger("dsv4")
 
 
 def _token_ids(p) -> bool:
-    """Whether every element of p is an integer token id (bool is not). Plain ints take the fast test, the set of
-    the elements' types (an 8k prompt on the CPU machine: 0.19 ms, against 0.6 for a generator of ``type(t) is
-    int`` and about 6 for the ABC check, which only other types reach)."""
-    return set(map(type, p)) <= {int} or all(is_int(t) for t in p)
+    """Whether every element of p is an integer token id (bool is not). Plain ints take the fast test
+    (``plain_ints``); the ABC check (about 6 ms for an 8k prompt) only other types."""
+    return plain_ints(p) or all(is_int(t) for t in p)
 
 
 class LLM:

@@ -29,7 +29,7 @@ from .protocols import StepCache, StepScheduler
 from .request import InFlight, Request, Status
 from .runner import LaunchedStep, ModelRunner, TargetOutput, target_inputs
 from .sampler import StepLogprobs, greedy_tokens, request_key, sample_rows
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, plain_ints
 from .scheduler import Scheduler, ScheduledSeq
 from .spec_pause import DraftPause
 from .spec import (DeviceVerdict, SpecStats, accept_greedy, accept_on_device, accept_sampled,
@@ -96,7 +96,7 @@ class LLMEngine:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         ids = list(prompt_token_ids)
-        if not set(map(type, ids)) <= {int}:  # (plain ints, the usual case, need no conversion: 0.2 ms at 8k)
+        if not plain_ints(ids):  # (plain ints, the usual case, need no conversion: 0.2 ms at 8k)
             ids = [int(t) for t in ids]
         if not ids:
             raise RequestError(f"request {rid!r}: the prompt is empty")

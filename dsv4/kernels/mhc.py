@@ -6,9 +6,10 @@ twins are the CPU branches of ``dsv4.model.mhc``.
 The collapse runs in two launches. ``_mix_partials`` splits the n*d inputs of each token into chunks and
 writes, per chunk (per run of MIX_LOOP chunks at prefill sizes, ``mix_loop``), its dot products with the mixing
 rows on the tensor cores to float32's accuracy (a bfloat16 X in bfloat16 products, the float32 rows split in three
-bfloat16 parts; else 3xTF32) and its sum of squares; ``_collapse`` adds the chunks in a fixed order, applies the RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and
-the weighted sum, one program a token over all of d, and then, given the sub-block's norm weight, the RMSNorm that
-the sub-block reads (the norm's own launch saved). Each token's result depends on its own inputs and on the run
+bfloat16 parts; else 3xTF32) and its sum of squares; ``_collapse`` adds the chunks in a fixed order, applies the
+RMS scale (m = W x / rms(x) = (W x) / rms(x)), computes the weights and the weighted sum, one program a token
+over all of d, and then, given the sub-block's norm weight, the RMSNorm that the sub-block reads (the norm's own
+launch saved). Each token's result depends on its own inputs and on the run
 length N gives (under batch invariance on its own inputs only).
 ``_sinkhorn`` then turns the comb logits into the comb in place: 2 x 20 dependent normalisations of a 4 x 4
 matrix, latency that nothing reads until the write-back after the sub-block (``_post``), so under a graph
@@ -40,8 +41,8 @@ MIX_BF16 = True  # a bfloat16 X's partials in bfloat16 products (the mixing rows
 # an H100 (bench/mhc_prefill_gpu.py, Flash's widths, float64's error alike) 8k tokens 279 -> 124 us (2.2 TB/s of
 # streams read), 1k 38.8 -> 23.0, 32 3.7 -> 3.5; hc_pre whole at 8k 399 -> 247 us. No x in float32 to split: the
 # loop is 318 SASS instructions against 552, 80 registers against 158
-MIX_WARPS, MIX_STAGES = 4, None  # a mixing-partial program's warps and software-pipeline depth (None: Triton's;
-# 8 warps or 2 or 4 stages, or chunks of 128 inputs, were slower at 1k and 8k tokens in either precision)
+# (a partial program: 4 warps, Triton's pipeline depth; 8 warps, 2 or 4 stages, or chunks of 128 inputs were slower
+# at 1k and 8k tokens in either precision)
 BLOCK_D = 512  # channels per write-back program below POST_WIDE_TOKENS tokens, twice as many from there on: on an
 # H100 (bench/mhc_prefill_gpu.py, Flash's widths) 8k tokens 236 -> 217 us, 1k 29.0 -> 28.5, 1 token 1.5 -> 1.6; the
 # same bits (each channel's sum over the streams is the same whatever the tile)
@@ -227,10 +228,9 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
     if N:
         RP = max(16, triton.next_power_of_2(R + 1))
-        stages = {} if MIX_STAGES is None else {"num_stages": MIX_STAGES}
         _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, loop, R=R, RP=RP, BLOCK=BLOCK_K,
                                                         TOKENS=MIX_TOKENS, BF16=MIX_BF16 and X.dtype == torch.bfloat16,
-                                                        num_warps=MIX_WARPS, **stages, **pdl.args())
+                                                        num_warps=4, **pdl.args())
         DP = triton.next_power_of_2(d)
         nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
         _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,

@@ -40,6 +40,29 @@ if HAVE_TRITON:
 
 
     @triton.jit
+    def norm_rope_halves(x, wa, wb, pos, freq, in_rope, eps, D: tl.constexpr, HAS_W: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+        """Rows x [BLOCK_H, D] RMS-normed in fp32 (times the weight's even and odd halves wa, wb with HAS_W) and
+        rounded to x's dtype, then each pair (2i, 2i+1) where ``in_rope`` [D/2] rotated by pos * freq in fp32 ->
+        the pairs' even and odd halves [BLOCK_H, D/2] in fp32, which the caller rounds to x's dtype as the twin's
+        rows are. The fused norm + rope's steps, which the attention's prologue takes too (``sparse_attention``,
+        its raw q)."""
+        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, D // 2, 2)))
+        cs, sn = cos_sin(pos, freq, in_rope)
+        cs, sn = cs[None, :], sn[None, :]
+        rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
+        a = a * rstd[:, None]
+        b = b * rstd[:, None]
+        if HAS_W:
+            a = wa.to(tl.float32)[None, :] * a
+            b = wb.to(tl.float32)[None, :] * b
+        a = a.to(x.dtype).to(tl.float32)  # the norm's rounding, as in the two-kernel path
+        b = b.to(x.dtype).to(tl.float32)
+        ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
+        rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
+        return ra, rb
+
+    @triton.jit
     def _rms_norm_rope_kernel(X, W, POS, FREQ, OUT, ROWS, SCALE, Hm, stride_xn, stride_xh, stride_on, stride_oh,
                               eps, D: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
                               SCATTER: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
@@ -55,21 +78,10 @@ if HAVE_TRITON:
         in_rope = i >= (D - R) // 2
         j = tl.where(in_rope, i - (D - R) // 2, 0)
         pos, freq = angle_inputs(POS, FREQ, n, j, in_rope)
+        wa, wb = pos, pos  # (unused without a weight)
         if HAS_W:
             wa, wb = tl.split(tl.reshape(tl.load(W + c), (D // 2, 2)))
-        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, D // 2, 2)))
-        cs, sn = cos_sin(pos, freq, in_rope)
-        cs, sn = cs[None, :], sn[None, :]
-        rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
-        a = a * rstd[:, None]
-        b = b * rstd[:, None]
-        if HAS_W:
-            a = wa.to(tl.float32)[None, :] * a
-            b = wb.to(tl.float32)[None, :] * b
-        a = a.to(X.dtype.element_ty).to(tl.float32)  # the norm's rounding, as in the two-kernel path
-        b = b.to(X.dtype.element_ty).to(tl.float32)
-        ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
-        rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
+        ra, rb = norm_rope_halves(x, wa, wb, pos, freq, in_rope, eps, D, HAS_W, BLOCK_H)
         if SCATTER:  # row n goes to OUT[ROWS[n]] (a cache's rows, in its dtype)
             dst = OUT + tl.load(ROWS + n).to(tl.int64) * stride_on + h[:, None] * stride_oh + c[None, :]
         else:

@@ -42,8 +42,8 @@ from __future__ import annotations
 import torch
 
 from . import HAVE_TRITON, on, pdl
-from .fp8 import FP8_BLOCK, dequantize_fp8
 from . import norm as norm_kernel
+from .fp8 import FP8_BLOCK, dequantize_fp8
 from .rope import angles_fit
 
 
@@ -92,8 +92,9 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .norm import norm_rope_halves
     from .pdl import enter
-    from .rope import angle_inputs, cos_sin
+    from .rope import angle_inputs
 
     @triton.jit
     def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr):
@@ -155,21 +156,14 @@ if HAVE_TRITON:
     @triton.jit
     def _norm_rope_q(q, POS, FREQ, n, eps, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
         """q [BLOCK_H, D] (one token's heads) RMS-normed per head and its pairs (2i, 2i+1) from D - R on rotated by
-        position POS[n] times FREQ[i - (D - R)/2], in q's dtype: ``kernels.norm._rms_norm_rope_kernel``'s steps
-        (without a weight), the row split into its pairs' halves in registers."""
+        position POS[n] times FREQ[i - (D - R)/2], in q's dtype: ``kernels.norm.rms_norm_rope``'s steps (no
+        weight), ``norm_rope_halves``."""
         i = tl.arange(0, D // 2)
         in_rope = i >= (D - R) // 2
         j = tl.where(in_rope, i - (D - R) // 2, 0)
         pos, freq = angle_inputs(POS, FREQ, n, j, in_rope)
-        a, b = tl.split(tl.reshape(q.to(tl.float32), (BLOCK_H, D // 2, 2)))
-        cs, sn = cos_sin(pos, freq, in_rope)
-        cs, sn = cs[None, :], sn[None, :]
-        rstd = 1.0 / tl.sqrt_rn((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
-        a = (a * rstd[:, None]).to(q.dtype).to(tl.float32)  # the norm's rounding
-        b = (b * rstd[:, None]).to(q.dtype).to(tl.float32)
-        ra = tl.where(in_rope[None, :], a * cs - b * sn, a)
-        rb = tl.where(in_rope[None, :], a * sn + b * cs, b)
-        return tl.reshape(tl.join(ra.to(q.dtype), rb.to(q.dtype)), (BLOCK_H, D))
+        ra, rb = norm_rope_halves(q, pos, pos, pos, freq, in_rope, eps, D, False, BLOCK_H)
+        return tl.reshape(tl.join(ra, rb), (BLOCK_H, D)).to(q.dtype)
 
     @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
