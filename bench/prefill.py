@@ -77,12 +77,20 @@ def main():
                          " over every row of the chunk (all: ModelRunner.mtp_tail_rows off), for the ratio")
     ap.add_argument("--fuse-q-norm", action="store_true",
                     help="the attention's single pass norms and ropes q as it loads it (sparse_attention.FUSE_Q_NORM)")
+    ap.add_argument("--no-fuse-rope-out", action="store_true",
+                    help="with --fuse-q-norm: the output's inverse rope by its own kernel"
+                         " (sparse_attention.FUSE_ROPE_OUT off)")
+    ap.add_argument("--rescale-tau", type=float, default=None,
+                    help="the attention's lazy rescale margin (sparse_attention.RESCALE_TAU; 0: every block)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
-    if args.fuse_q_norm:
-        from dsv4.kernels import sparse_attention
+    from dsv4.kernels import sparse_attention  # its switches before the engine is built: prefill graphs capture them
 
-        sparse_attention.FUSE_Q_NORM = True  # before the engine is built: its prefill graphs capture the path
+    if args.fuse_q_norm:
+        sparse_attention.FUSE_Q_NORM = True
+        sparse_attention.FUSE_ROPE_OUT = not args.no_fuse_rope_out
+    if args.rescale_tau is not None:
+        sparse_attention.RESCALE_TAU = args.rescale_tau
     if args.moe_rows:
         from dsv4.kernels import moe
 
@@ -122,6 +130,8 @@ def main():
            f"experts {args.expert_format}, linears {args.linear_format}"
            + (f", MoE row blocks of {args.moe_rows}" if args.moe_rows else "")
            + ("" if args.grouped_mm == "on" else ", experts' prefill GEMMs on the Triton kernel")
+           + (f", q norm{'' if args.no_fuse_rope_out else ' and output rope'} in the attention" if args.fuse_q_norm
+              else "") + (f", rescale margin {args.rescale_tau:g}" if args.rescale_tau else "")
            + f", prefill graphs {graphs.prefill_tokens if graphs is not None else None}",
            text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")

@@ -58,6 +58,32 @@ def chunk(N, H, D, W, kind, g, start=0, hot=False):
     return q, sources, sink
 
 
+def q_norm_rows(N, kind, q, sources, sink, scale, sub, flops):
+    """The raw-q path (``q_norm``) three ways: the norm's kernel, the attention and the rope's kernel; the single
+    pass with the norm in its prologue and the rope's kernel after; the single pass doing both. Each checked
+    against the float64 twin of norm, rope, attention and inverse rope on the chunk's last 256 tokens."""
+    from dsv4.model.ops import Rope, apply_rope, rms_norm
+
+    R = 64
+    table = 1.0 / (10000 ** (torch.arange(0, R, 2, device="cuda").float() / R))
+    rope = Rope(table, torch.arange(N, device="cuda"))
+    r64 = Rope(table.double(), rope.positions[sub])
+    qn = apply_rope(rms_norm(q[sub].double(), None, 1e-6), r64)
+    ref = sa.sparse_sink_attention_ref(qn, [(r.double(), i[sub], v[sub]) for r, i, v in sources], sink.double(), scale)
+    ref = apply_rope(ref, r64, inverse=True)
+    out = []
+    for name, fuse, rope_out in [("q norm, attention, rope: three kernels", False, True),
+                                 ("q norm in the prologue, rope's kernel after", True, False),
+                                 ("q norm in the prologue, rope in the epilogue", True, True)]:
+        sa.FUSE_ROPE_OUT = rope_out
+        fn = lambda fuse=fuse: sa._sparse_sink_attention(q, sources, sink, scale, q_norm=(1e-6, rope), fuse=fuse)
+        err = ((fn()[sub].double() - ref).abs().max() / ref.abs().max()).item()
+        ms = event_ms(fn)
+        out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+    sa.FUSE_ROPE_OUT = True
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
@@ -70,8 +96,17 @@ def main():
                     help="the single pass's SKIP values to time (sparse_attention.SKIP: 0 none; bits 1, 2: the window"
                          " source, the compressed source)")
     ap.add_argument("--hot", action="store_true", help="also each kind with every token's entries in the same 64 rows")
+    ap.add_argument("--tau", type=float, nargs="*", default=[0.0],
+                    help="the single pass's lazy rescale margins to time (sparse_attention.RESCALE_TAU; 0: every"
+                         " block)")
+    ap.add_argument("--q-norm", action="store_true",
+                    help="also the path the engine takes for a raw q: its norm + rope, the attention and the output's"
+                         " inverse rope as three kernels, against the single pass doing all three (FUSE_Q_NORM), and"
+                         " the fused prologue alone (FUSE_ROPE_OUT off)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
+    global SKIP, TAU
+    SKIP, TAU = sa.SKIP, sa.RESCALE_TAU
     H, D, W = 64, 512, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = D ** -0.5
@@ -87,11 +122,11 @@ def main():
         ref = sa.sparse_sink_attention_ref(q[sub].double(), [(r.double(), i[sub], v[sub]) for r, i, v in sources],
                                            sink.double(), scale)
         tiles = TILES if a.tiles is None else ["auto", None] + [tuple(int(x) for x in t.split("/")) for t in a.tiles]
-        for tile, skip in [(t, v) for v in a.skip for t in tiles]:
-            sa.SKIP = int(skip)
+        for tile, skip, tau in [(t, v, u) for u in a.tau for v in a.skip for t in tiles]:
+            sa.SKIP, sa.RESCALE_TAU = int(skip), tau
             name = {"auto": "auto (the path taken)", None: "single pass, default tile"}.get(tile) or "/".join(
                 str(x) for x in tile)
-            name += f", SKIP {skip}"
+            name += f", SKIP {skip}" + (f", TAU {tau:g}" if tau else "")
             try:
                 if tile == "auto":
                     fn = lambda: sa.sparse_sink_attention(q, sources, sink, scale)
@@ -103,6 +138,9 @@ def main():
                 rows_out.append([N, kind, name, f"failed: {type(e).__name__} {str(e)[:60]}", "", ""])
                 continue
             rows_out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+        sa.SKIP, sa.RESCALE_TAU = SKIP, TAU
+        if a.q_norm:
+            rows_out += q_norm_rows(N, kind, q, sources, sink, scale, sub, flops)
         del q, sources
     report(f"Sparse sink attention, chunks from position {a.start}, H={H} D={D}, bf16: single-pass tiles",
            table(["tokens", "layer kind", "BLOCK_H/BLOCK_K/warps/stages, SKIP", "rel err vs fp64", "ms",

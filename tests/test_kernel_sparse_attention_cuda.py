@@ -106,8 +106,9 @@ def test_sparse_attention_writes_every_output():
     (torch.float32, 9, 8, 64, 20, 0),  # a rope as wide as half the row
 ])
 def test_sparse_sink_attention_norms_raw_q(dtype, N, H, D, K2, split):
-    """``q_norm``: a raw q RMS-normed per head and roped in the single pass's prologue (FUSE_Q_NORM) against the
-    norm's own kernel first (every path), and both against the float64 twin of norm, rope and attention."""
+    """``q_norm``: a raw q RMS-normed per head and roped in the single pass's prologue (FUSE_Q_NORM), and the output
+    rotated back in its epilogue, against the norm's and the rope's own kernels around the attention (every path),
+    and both against the float64 twin of norm, rope, attention and inverse rope."""
     from dsv4.kernels import sparse_attention as sa
     from dsv4.model.ops import Rope, apply_rope, rms_norm
 
@@ -117,10 +118,32 @@ def test_sparse_sink_attention_norms_raw_q(dtype, N, H, D, K2, split):
     table = 1.0 / (10000 ** (torch.arange(0, R, 2, device="cuda").float() / R))
     positions = torch.randint(0, 9000, (N,), device="cuda")
     rope = Rope(table, positions)
-    qn = apply_rope(rms_norm(q.double().cpu(), None, 1e-6), Rope(table.double().cpu(), positions.cpu())).cuda()
+    rope64 = Rope(table.double().cpu(), positions.cpu())
+    qn = apply_rope(rms_norm(q.double().cpu(), None, 1e-6), rope64).cuda()
     ref = sparse_sink_attention_ref(qn, [(k.double(), i, v) for k, i, v in src], sink.double(), D ** -0.5)
+    ref = apply_rope(ref.cpu(), rope64, inverse=True).cuda()  # the output rotated back too
     fused = sa._sparse_sink_attention(q, src, sink, D ** -0.5, split, q_norm=(1e-6, rope), fuse=True)
     apart = sa._sparse_sink_attention(q, src, sink, D ** -0.5, split, q_norm=(1e-6, rope), fuse=False)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.isfinite(fused).all() and rel_err(fused, ref) < tol and rel_err(apart, ref) < tol
     assert rel_err(fused, apart) < tol
+
+
+@pytest.mark.parametrize("dtype, N, qscale", [
+    (torch.bfloat16, 200, 1.0),  # the wide tile, scores near the sink's: the max rarely moves past the margin
+    (torch.bfloat16, 200, 8.0),  # scores far apart: rescales
+    (torch.bfloat16, 40, 8.0),  # the default tile
+    (torch.float32, 70, 8.0),
+])
+def test_sparse_sink_attention_lazy_rescale(monkeypatch, dtype, N, qscale):
+    """RESCALE_TAU: the single pass moves its running max (and rescales) only where a row's max would grow past the
+    margin, against the float64 twin, with small and with large scores."""
+    from dsv4.kernels import sparse_attention as sa
+
+    q, src, sink, _ = _attention_case(dtype, N, 64, 512, 300, 129, 2000, 512)
+    q = (q.float() * qscale).to(dtype)
+    ref = sparse_sink_attention_ref(q.double(), [(k.double(), i, v) for k, i, v in src], sink.double(), 512 ** -0.5)
+    monkeypatch.setattr(sa, "RESCALE_TAU", 8.0)
+    out = sa._sparse_sink_attention(q, src, sink, 512 ** -0.5, 0)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

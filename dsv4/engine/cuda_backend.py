@@ -26,7 +26,7 @@ from .. import env, kernels
 from ..kernels.indexer import select_top_rows
 from ..kernels.sparse_attention import fuses_q_norm, sparse_sink_attention
 from ..model.attention import Compressor
-from ..model.ops import rms_norm_rope
+from ..model.ops import apply_rope, rms_norm_rope
 from ..model.rows import active as rows_fixed
 from .backend import CachedBackend
 
@@ -121,7 +121,8 @@ class CudaBackend(CachedBackend):
                                       invariant=rows_fixed())
         return CacheRows(entries.storage, rows, valid, entries.scale), valid.unsqueeze(1)
 
-    takes_raw_q = True  # attend takes the raw q and its norm (``q_norm``): the attention's path decides who norms
+    takes_raw_q = True  # attend takes the raw q and its norm (``q_norm``) and rotates the output back: the
+    # attention's path decides who norms and who rotates
 
     def attend(self, q: torch.Tensor, window: CacheRows, compressed, sink: torch.Tensor, scale: float,
                q_norm=None):
@@ -131,9 +132,11 @@ class CudaBackend(CachedBackend):
             sources.append(replace(rows, valid=visible[:, 0]).source())
         split = 0 if rows_fixed() else None  # batch invariance: one path whatever the batch size
         q = q[:, 0].contiguous()
-        if q_norm is not None and not fuses_q_norm(q, sources, split, q_norm[1]):
-            q, q_norm = rms_norm_rope(q, None, *q_norm), None  # the norm's own kernel (or twin) first
-        return sparse_sink_attention(q, sources, sink, scale, split, q_norm).unsqueeze(1)
+        if q_norm is None or fuses_q_norm(q, sources, split, q_norm[1]):
+            return sparse_sink_attention(q, sources, sink, scale, split, q_norm).unsqueeze(1)
+        eps, rope = q_norm  # the norm's own kernel (or twin) first, the rope's after
+        o = sparse_sink_attention(rms_norm_rope(q, None, eps, rope), sources, sink, scale, split)
+        return apply_rope(o, rope, inverse=True, in_place=True).unsqueeze(1)
 
 
 class PrefillCudaBackend(CudaBackend):

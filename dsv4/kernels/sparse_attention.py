@@ -44,6 +44,7 @@ import torch
 from . import HAVE_TRITON, on, pdl
 from . import norm as norm_kernel
 from .fp8 import FP8_BLOCK, dequantize_fp8
+from . import rope as rope_kernel
 from .rope import angles_fit
 
 
@@ -94,26 +95,45 @@ if HAVE_TRITON:
 
     from .norm import norm_rope_halves
     from .pdl import enter
-    from .rope import angle_inputs
+    from .rope import angle_inputs, angles, rotate_pairs
 
     @triton.jit
-    def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr):
-        """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok."""
+    def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr, TAU: tl.constexpr = 0.0):
+        """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok. TAU > 0 (m finite:
+        the single pass starts it at the sink): the running max moves, and l and acc are rescaled, only when some
+        row's max would grow by more than TAU; otherwise the block's weights are taken against the old max (at most
+        e**TAU, exact in float32 and in range for the value dot), and the result is the same up to rounding."""
         if IEEE:
             s = tl.dot(q, tl.trans(kv), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(kv))
         s = tl.where(ok[None, :], s * scale, float("-inf"))  # [BH, BK]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+        if TAU > 0:
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            if tl.max(m_new - m, axis=0) > TAU:  # one branch for the program: rescale every row or none
+                alpha = tl.exp(m - m_new)
+                l = l * alpha
+                acc = acc * alpha[:, None]
+                m = m_new
+            p = tl.exp(s - m[:, None])
+            l = l + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+            else:
+                acc = acc + tl.dot(p.to(kv.dtype), kv)
+            m_out = m
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        return m_new, l, acc
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            m_out = m_new
+        return m_out, l, acc
 
     @triton.jit
     def _fp8_e4m3_to_f32(b):
@@ -172,7 +192,8 @@ if HAVE_TRITON:
                                  POS, FREQ, q_eps,
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                  IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                                 SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+                                 SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, ROPE_OUT: tl.constexpr,
+                                 TAU: tl.constexpr, PDL: tl.constexpr):
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
         sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
         a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
@@ -181,7 +202,9 @@ if HAVE_TRITON:
         unchanged). QNORM: q as the projection left it, each head RMS-normed (no weight, q_eps) and its last R
         channels roped by position POS[n] and the table FREQ [R/2] here, as ``kernels.norm.rms_norm_rope`` does
         (rounded to q's dtype after the norm and after the rope), instead of a kernel of its own that writes q and
-        this one that reads it back."""
+        this one that reads it back. ROPE_OUT: the output's last R channels of each head then rotated back by the
+        same angles (the inverse rope ``Attention.forward`` applies), from the rounded output, as
+        ``kernels.rope``'s kernel does after this one. TAU: ``_attend_block``'s lazy rescale (0: every block)."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -214,10 +237,19 @@ if HAVE_TRITON:
                                  tl.where(two, IDX2, IDX1), tl.where(two, VAL2, VAL1),
                                  tl.where(two, stride_i2, stride_i1), tl.where(two, K2, K1),
                                  (b - tl.where(two, nb1, 0)) * BLOCK_K + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
-            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE, TAU)
         out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
+        if ROPE_OUT:  # the rope channels read back rounded (the program's own stores, after a barrier), rotated
+            RP: tl.constexpr = R // 2
+            tl.debug_barrier()
+            c = tl.arange(0, R)
+            rot = OUT + n * stride_on + offs_h[:, None] * stride_oh + (D - R) + c[None, :]
+            x = tl.load(rot, mask=hmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            i = tl.arange(0, RP)
+            cs, sn = angles(POS, FREQ, n, i, i < RP)
+            tl.store(rot, rotate_pairs(x, cs, -sn, BLOCK_H, RP).to(OUT.dtype.element_ty), mask=hmask[:, None])
 
     @triton.jit
     def _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV, stride_kv, SC, stride_sc, IDX, VAL,
@@ -338,13 +370,16 @@ def wide_tile(H: int, fp8: bool = False) -> tuple:
 
 
 FUSE_Q_NORM = False  # the single pass norms and ropes a raw q itself (``q_norm``); not yet measured on a GPU
+FUSE_ROPE_OUT = True  # ... and with it rotates its output back (the inverse rope) in its epilogue
+RESCALE_TAU = 0.0  # the single pass's lazy rescale (``_attend_block``'s TAU; 0: every block); not yet measured
 
 
 def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
     """Whether ``sparse_sink_attention(q, sources, .., split, q_norm=(eps, rope))`` norms and ropes a raw q
     itself: FUSE_Q_NORM on, the kernels on q's device, the single pass taken (``split_for``), and a rope the
-    kernel takes (``rope.table`` [R/2] float32, ``rope.positions`` [N] integers). Otherwise the caller norms q
-    first (``model.ops.rms_norm_rope``) and passes no ``q_norm``."""
+    kernel takes (``rope.table`` [R/2] float32, ``rope.positions`` [N] integers); the output then comes back
+    rotated back by the same angles. Otherwise the caller norms q first (``model.ops.rms_norm_rope``), passes no
+    ``q_norm`` and rotates the output back itself."""
     if not (FUSE_Q_NORM and on(q) and angles_fit(q, rope.table, rope.positions)):
         return False
     N, H, D = q.shape
@@ -359,8 +394,10 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     ``split_for(K1, K2)``, 0 = single pass, else the split path with chunks of ``split`` keys (a power of two,
     at least 32; tests and bench/attention_split.py). ``tile``: the single pass's (BLOCK_H, BLOCK_K, num_warps,
     num_stages) instead of the default (tests, benches). ``q_norm`` (eps, rope): q is raw, to be RMS-normed per
-    head and roped first; the single pass does it in its prologue when ``fuse`` (default FUSE_Q_NORM), any other
-    launch (tests) after the norm's own kernel (``kernels.norm``; the rope must fit it)."""
+    head and roped first, and the output rotated back by the same angles (the inverse rope): the single pass does
+    both itself when ``fuse`` (default FUSE_Q_NORM; the output's with FUSE_ROPE_OUT and a rope width a power of
+    two), any other launch (tests) with the norm's own kernel first and the rope's after (``kernels.norm``,
+    ``kernels.rope``; the rope must fit them)."""
     N, H, D = q.shape
     if len(sources) == 1:
         sources = list(sources) + [(sources[0][0], sources[0][1][:, :0], sources[0][2][:, :0], *sources[0][3:])]
@@ -393,6 +430,8 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
         block_h, block_k, num_warps, stages = tile or (BLOCK_H, block_k, num_warps, None)
         extra = {} if stages is None else {"num_stages": stages}
         rope = q_norm[1] if fused else None
+        R = 2 * rope.table.shape[-1] if fused else 0
+        rope_out = fused and FUSE_ROPE_OUT and R & (R - 1) == 0
         _sparse_sink_attn_kernel[(N, triton.cdiv(H, block_h))](
             q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
@@ -400,9 +439,9 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             rope.positions.contiguous() if fused else i1, rope.table.contiguous() if fused else sink,
             q_norm[0] if fused else 0.0,  # (unused pointers and eps without the fused norm)
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            SKIP=SKIP, QNORM=fused, R=2 * rope.table.shape[-1] if fused else 0, num_warps=num_warps, **extra,
+            SKIP=SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, num_warps=num_warps, **extra,
             **pdl.args())
-        return out
+        return _rope_back(out, q_norm) if q_norm is not None and not rope_out else out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
     C = C1 + triton.cdiv(K2, split)
@@ -420,7 +459,13 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
     _split_merge_kernel[(hb, D // block_d, N)](
         sink, out, out.stride(0), out.stride(1), H, ws, wm, wl, C,
         D=D, BLOCK_H=BLOCK_H, BLOCK_C=MERGE_C, BLOCK_D=block_d, num_warps=4, **pdl.args())
-    return out
+    return _rope_back(out, q_norm) if q_norm is not None else out
+
+
+def _rope_back(out: torch.Tensor, q_norm) -> torch.Tensor:
+    """The output's inverse rope by ``q_norm``'s angles (the rope's kernel, in place), where the attention's
+    epilogue did not do it."""
+    return rope_kernel.apply_rope(out, q_norm[1].table, q_norm[1].positions, inverse=True, in_place=True)
 
 
 def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float,
@@ -428,7 +473,8 @@ def sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: f
     """The Triton kernels (one or two key sources). q [N, H, D] (D a power of two) -> [N, H, D]. ``split``:
     None = the path ``split_for`` picks for N tokens (and the wide tile from ``WIDE_TOKENS`` tokens); 0 = always
     the single pass with its default tile (batch-invariant). ``q_norm`` (eps, rope): q is raw, normed and roped
-    in the single pass's prologue; only where ``fuses_q_norm`` says it is."""
+    in the single pass's prologue, and the output is returned rotated back (the inverse rope); only where
+    ``fuses_q_norm`` says it is."""
     if q_norm is not None and not fuses_q_norm(q, sources, split, q_norm[1]):
         raise ValueError("sparse_sink_attention: q_norm only where fuses_q_norm holds; norm q first otherwise")
     if not on(q):

@@ -74,7 +74,9 @@ class AttentionBackend(Protocol):
         sink -> [G, Tq, H, D]. ``window`` / ``compressed[0]`` are whatever ``window`` / ``compressed``
         returned (gathered tensors, or a kernel backend's handles on the cache). A backend whose
         ``takes_raw_q`` is True (absent: False) also takes ``q_norm`` = (eps, rope): q is then the raw
-        projection, each head to be RMS-normed and roped (``ops.rms_norm_rope``) before it attends."""
+        projection, each head to be RMS-normed and roped (``ops.rms_norm_rope``) before it attends, and the
+        output is returned rotated back by the same angles (``ops.apply_rope(.., inverse=True)``), which the
+        caller otherwise does."""
 
 
 def attend_gathered(q: torch.Tensor, window, compressed, sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -289,12 +291,12 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 compressed = self.indexer.select(xs, c_q, rope, compressed, backend, self.layer_id)
 
-        if fuse:
-            o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5,
-                               q_norm=(cfg.norm_eps, rope))
+        if fuse:  # (the backend rotates the output back too)
+            o = backend.ungroup(backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5,
+                                               q_norm=(cfg.norm_eps, rope)))
         else:
             o = backend.attend(backend.group(q), window, compressed, self.attn_sink, D ** -0.5)
-        o = apply_rope(backend.ungroup(o), rope, inverse=True, in_place=True)  # de-rotate: values carried rope too
+            o = apply_rope(backend.ungroup(o), rope, inverse=True, in_place=True)  # the values carried rope too
         o = o.reshape(N, g, H * D // g)
         wo_a = self.wo_a.weight.view(g, cfg.o_lora_rank, H * D // g)
         o = grouped_linear(o, wo_a, self.wo_a.weight_scale)  # [N, g, o_lora]
