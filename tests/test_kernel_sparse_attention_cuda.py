@@ -129,21 +129,24 @@ def test_sparse_sink_attention_norms_raw_q(dtype, N, H, D, K2, split):
     assert rel_err(fused, apart) < tol
 
 
+@pytest.mark.parametrize("tau, exp2", [(8.0, False), (0.0, True), (8.0, True)])
 @pytest.mark.parametrize("dtype, N, qscale", [
     (torch.bfloat16, 200, 1.0),  # the wide tile, scores near the sink's: the max rarely moves past the margin
     (torch.bfloat16, 200, 8.0),  # scores far apart: rescales
     (torch.bfloat16, 40, 8.0),  # the default tile
     (torch.float32, 70, 8.0),
 ])
-def test_sparse_sink_attention_lazy_rescale(monkeypatch, dtype, N, qscale):
-    """RESCALE_TAU: the single pass moves its running max (and rescales) only where a row's max would grow past the
-    margin, against the float64 twin, with small and with large scores."""
+def test_sparse_sink_attention_softmax_variants(monkeypatch, dtype, N, qscale, tau, exp2):
+    """The single pass's softmax variants against the float64 twin, with small and with large scores: RESCALE_TAU
+    (the running max moved, and the sums rescaled, only where a row's max would grow past the margin) and EXP2 (the
+    weights as 2**x by one ex2.approx.ftz, the scores in units of log2)."""
     from dsv4.kernels import sparse_attention as sa
 
     q, src, sink, _ = _attention_case(dtype, N, 64, 512, 300, 129, 2000, 512)
     q = (q.float() * qscale).to(dtype)
     ref = sparse_sink_attention_ref(q.double(), [(k.double(), i, v) for k, i, v in src], sink.double(), 512 ** -0.5)
-    monkeypatch.setattr(sa, "RESCALE_TAU", 8.0)
+    monkeypatch.setattr(sa, "RESCALE_TAU", tau)
+    monkeypatch.setattr(sa, "EXP2", exp2)
     out = sa._sparse_sink_attention(q, src, sink, 512 ** -0.5, 0)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

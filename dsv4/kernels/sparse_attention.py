@@ -98,11 +98,27 @@ if HAVE_TRITON:
     from .rope import angle_inputs, angles, rotate_pairs
 
     @triton.jit
-    def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr, TAU: tl.constexpr = 0.0):
-        """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok. TAU > 0 (m finite:
-        the single pass starts it at the sink): the running max moves, and l and acc are rescaled, only when some
-        row's max would grow by more than TAU; otherwise the block's weights are taken against the old max (at most
-        e**TAU, exact in float32 and in range for the value dot), and the result is the same up to rounding."""
+    def _exp(x, EXP: tl.constexpr):
+        """EXP 0: e**x (``tl.exp``, which the compiler takes as 2**(x log2 e) with a guard against a subnormal
+        result: four instructions an element); 1: 2**x (``tl.exp2``, the Triton interpreter's); 2: 2**x by one
+        ``ex2.approx.ftz`` (a subnormal result flushed to 0), as ``tl.exp2`` computes it otherwise."""
+        if EXP == 2:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        elif EXP == 1:
+            return tl.exp2(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr, TAU: tl.constexpr = 0.0,
+                      EXP: tl.constexpr = 0):
+        """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok. EXP (``_exp``) > 0:
+        the scores, m and ``scale`` in units of log2 (the caller's scale times log2 e), the weights 2**(s - m).
+        TAU > 0 (m finite: the single pass starts it at the sink): the running max moves, and l and acc are
+        rescaled, only when some row's max would grow by more than TAU; otherwise the block's weights are taken
+        against the old max (at most e**TAU, or 2**TAU, exact in float32 and in range for the value dot), and the
+        result is the same up to rounding."""
         if IEEE:
             s = tl.dot(q, tl.trans(kv), input_precision="ieee")
         else:
@@ -111,11 +127,11 @@ if HAVE_TRITON:
         if TAU > 0:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             if tl.max(m_new - m, axis=0) > TAU:  # one branch for the program: rescale every row or none
-                alpha = tl.exp(m - m_new)
+                alpha = _exp(m - m_new, EXP)
                 l = l * alpha
                 acc = acc * alpha[:, None]
                 m = m_new
-            p = tl.exp(s - m[:, None])
+            p = _exp(s - m[:, None], EXP)
             l = l + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
@@ -125,8 +141,8 @@ if HAVE_TRITON:
         else:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
-            alpha = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
+            alpha = _exp(m - m_use, EXP)
+            p = _exp(s - m_use[:, None], EXP)
             l = l * alpha + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
@@ -193,7 +209,7 @@ if HAVE_TRITON:
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                  IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
                                  SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, ROPE_OUT: tl.constexpr,
-                                 TAU: tl.constexpr, PDL: tl.constexpr):
+                                 TAU: tl.constexpr, EXP: tl.constexpr, PDL: tl.constexpr):
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
         sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
         a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
@@ -204,7 +220,8 @@ if HAVE_TRITON:
         (rounded to q's dtype after the norm and after the rope), instead of a kernel of its own that writes q and
         this one that reads it back. ROPE_OUT: the output's last R channels of each head then rotated back by the
         same angles (the inverse rope ``Attention.forward`` applies), from the rounded output, as
-        ``kernels.rope``'s kernel does after this one. TAU: ``_attend_block``'s lazy rescale (0: every block)."""
+        ``kernels.rope``'s kernel does after this one. TAU: ``_attend_block``'s lazy rescale (0: every block). EXP:
+        its exponential (> 0: ``scale`` given in units of log2, the caller's times log2 e)."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -227,6 +244,8 @@ if HAVE_TRITON:
             q = tl.load(dst, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
         # the sink starts the running max and contributes exp(sink - m) to the denominator, no value
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
+        if EXP:
+            m = m * 1.4426950408889634  # log2 e: the max in the scores' units
         l = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         nb1 = tl.cdiv(E1, BLOCK_K)
@@ -237,7 +256,7 @@ if HAVE_TRITON:
                                  tl.where(two, IDX2, IDX1), tl.where(two, VAL2, VAL1),
                                  tl.where(two, stride_i2, stride_i1), tl.where(two, K2, K1),
                                  (b - tl.where(two, nb1, 0)) * BLOCK_K + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
-            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE, TAU)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE, TAU, EXP)
         out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
@@ -372,6 +391,7 @@ def wide_tile(H: int, fp8: bool = False) -> tuple:
 FUSE_Q_NORM = False  # the single pass norms and ropes a raw q itself (``q_norm``); not yet measured on a GPU
 FUSE_ROPE_OUT = True  # ... and with it rotates its output back (the inverse rope) in its epilogue
 RESCALE_TAU = 0.0  # the single pass's lazy rescale (``_attend_block``'s TAU; 0: every block); not yet measured
+EXP2 = False  # the single pass's weights as 2**x, one ex2.approx.ftz each (``_exp``); not yet measured on a GPU
 
 
 def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
@@ -432,14 +452,16 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
         rope = q_norm[1] if fused else None
         R = 2 * rope.table.shape[-1] if fused else 0
         rope_out = fused and FUSE_ROPE_OUT and R & (R - 1) == 0
+        exp = 0 if not EXP2 else 2 if q.is_cuda else 1  # (the interpreter's tensors are on the CPU: no inline PTX)
         _sparse_sink_attn_kernel[(N, triton.cdiv(H, block_h))](
-            q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H, scale,
+            q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H,
+            scale * 1.4426950408889634 if exp else scale,  # (log2 e: the scores in units of log2)
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
             kv2, kv2.stride(0), sc2, sc2.stride(0), i2, v2, i2.stride(0), K2,
             rope.positions.contiguous() if fused else i1, rope.table.contiguous() if fused else sink,
             q_norm[0] if fused else 0.0,  # (unused pointers and eps without the fused norm)
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            SKIP=SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, num_warps=num_warps, **extra,
+            SKIP=SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, EXP=exp, num_warps=num_warps, **extra,
             **pdl.args())
         return _rope_back(out, q_norm) if q_norm is not None and not rope_out else out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
