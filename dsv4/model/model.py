@@ -75,7 +75,9 @@ class DeepseekV4(nn.Module):
     def streams(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids: [N] -> the last layer's hc streams [N, n, d] (before hc_head)."""
         with pass_rows(input_ids.shape[0]):
-            X = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+            # each stream's copy of the token's row gathered from the table: one gather writing [N, n, d], not a
+            # gather and then a copy from a broadcast view (on the GPU a strided, unvectorised copy kernel)
+            X = self.embed(input_ids.unsqueeze(1).expand(-1, self.cfg.hc_mult))
             for blk in self.layers:
                 X = blk(X, backend, input_ids)
         return X
