@@ -475,6 +475,27 @@ def test_indexer_kernels_match_twins(dtype, N, nI, dI, R, E, k):
         assert torch.equal(got_valid, want_valid) and torch.equal(got_rows, want_rows)
 
 
+@pytest.mark.parametrize("E, k", [(2048, 512), (3000, 512), (600, 64)])
+def test_topk_rows_of_a_causal_prompt(E, k):
+    """A prompt's tokens see a prefix of their entries' columns, of every length (none, fewer than k, exactly k,
+    more, all): the top-k kernel's later passes and its selection stop at the token's last visible column, and a
+    token with at most k visible entries skips the later passes; the same rows and validity as the stable-sort
+    twin, ties included."""
+    from dsv4.kernels.indexer import topk_rows_cuda, topk_rows_torch
+
+    g = torch.Generator(device="cuda").manual_seed(E + k)
+    N = 700
+    visible = torch.randint(0, E + 1, (N,), device="cuda", generator=g)
+    visible[:6] = torch.tensor([0, 1, k - 1, k, k + 1, E])
+    scores = torch.randn(N, E, device="cuda", generator=g)
+    scores = scores.masked_fill(torch.arange(E, device="cuda")[None, :] >= visible[:, None], float("-inf"))
+    rows = torch.randint(0, 1 << 20, (N, E), device="cuda", generator=g)
+    for s in (scores, (scores * 4).round() / 4):
+        got_rows, got_valid = topk_rows_cuda(s, rows, k)
+        want_rows, want_valid = topk_rows_torch(s, rows, k)
+        assert torch.equal(got_valid, want_valid) and torch.equal(got_rows, want_rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, nI, dI, E", [(300, 64, 128, 200), (700, 16, 32, 300)])
 def test_indexer_scores_in_tiles_of_a_prompts_tokens(dtype, N, nI, dI, E):

@@ -15,8 +15,10 @@ table ``rows`` [N, E] (with ``valid`` [N, E]) into the layer's index-key storage
 - ``_topk_rows_kernel``: one program per token selects the k highest scores by a radix select over the
   scores' bits (four 8-bit histogram passes find the k-th largest value exactly), then writes the selected
   entries' rows in column order, ties at the threshold broken by the lowest column. Tokens with at most k
-  visible entries select all of them. The output is [N, k] rows + valid, which the attention kernel reads
-  like any other row table, so it reads k entries per token instead of all E.
+  visible entries select all of them (and skip the last three passes). The passes after the first and the
+  selection stop at the token's last visible column (a prompt's token sees a prefix of its columns). The output
+  is [N, k] rows + valid, which the attention kernel reads like any other row table, so it reads k entries per
+  token instead of all E.
 
 Twins: ``index_scores_torch`` (gather, then ``dsv4.model.ops.index_scores``) and ``topk_rows_torch`` (a stable
 descending sort). The per-token scores kernel and the top-k compute a token's result from that token's inputs
@@ -169,6 +171,15 @@ if HAVE_TRITON:
         return (i ^ ((i >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
 
     @triton.jit
+    def _radix_digit(hist, bins, remaining, prefix, shift):
+        """One radix pass's choice: the digit d (at ``shift``) of the k-th largest key among those counted in
+        ``hist``, how many keys with the new prefix still belong to the top k, and the prefix with d in it."""
+        at_or_above = tl.cumsum(hist, reverse=True)  # keys (with this prefix) whose digit is >= bin
+        d = tl.max(tl.where(at_or_above >= remaining, bins, 0))
+        remaining -= tl.sum(tl.where(bins > d, hist, 0))
+        return remaining, prefix | (d.to(tl.int64) << shift)
+
+    @triton.jit
     def _topk_rows_kernel(S, stride_s, ROWS, stride_r, OUT_R, OUT_V, stride_o, E, K, BLOCK: tl.constexpr,
                           PDL: tl.constexpr):
         enter(PDL)
@@ -176,26 +187,30 @@ if HAVE_TRITON:
         offs = tl.arange(0, BLOCK)
         bins = tl.arange(0, 256)
         # radix select from the top byte: after pass p, `prefix` holds the top 8(p+1) bits of the k-th largest
-        # key and `remaining` how many of the keys sharing those bits still belong to the top k
-        prefix = tl.zeros([], tl.int64)
-        remaining = K
-        total = tl.zeros([], tl.int32)
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
-            for e0 in range(0, E, BLOCK):
-                x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
-                key = _ordered_key(x)
-                ok = x > float("-inf")
-                if p > 0:
-                    ok = ok & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok)
-            if p == 0:
-                total = tl.sum(hist)
-            at_or_above = tl.cumsum(hist, reverse=True)  # keys (with this prefix) whose digit is >= bin
-            d = tl.max(tl.where(at_or_above >= remaining, bins, 0))
-            remaining -= tl.sum(tl.where(bins > d, hist, 0))
-            prefix = prefix | (d.to(tl.int64) << shift)
+        # key and `remaining` how many of the keys sharing those bits still belong to the top k. The first pass
+        # also finds the token's last visible column (`end`, 0 when none): the later passes and the selection
+        # stop there (a causal prefill's token sees a prefix of its entries' columns, and the columns after it
+        # are -inf; the loads keep E's mask, which the compiler can vectorise); a token with at most K visible
+        # entries takes them all and skips the later passes
+        hist = tl.zeros([256], tl.int32)
+        end = 0
+        for e0 in range(0, E, BLOCK):
+            x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
+            ok = x > float("-inf")
+            hist += tl.histogram(((_ordered_key(x) >> 24) & 255).to(tl.int32), 256, mask=ok)
+            end = tl.maximum(end, tl.max(tl.where(ok, e0 + offs + 1, 0)))
+        total = tl.sum(hist)
+        remaining, prefix = _radix_digit(hist, bins, K, tl.zeros([], tl.int64), 24)
+        if total > K:
+            for p in tl.static_range(1, 4):
+                shift = 24 - 8 * p
+                hist = tl.zeros([256], tl.int32)
+                for e0 in range(0, end, BLOCK):
+                    x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
+                    key = _ordered_key(x)
+                    ok = (x > float("-inf")) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                    hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok)
+                remaining, prefix = _radix_digit(hist, bins, remaining, prefix, shift)
         # select keys above the threshold, and the first `remaining` keys equal to it, in column order; a token
         # with at most K visible entries takes them all
         take_all = total <= K
@@ -203,7 +218,7 @@ if HAVE_TRITON:
         need = tl.where(take_all, 0, remaining)
         count = 0
         ties = 0
-        for e0 in range(0, E, BLOCK):
+        for e0 in range(0, end, BLOCK):
             x = tl.load(S + n * stride_s + e0 + offs, mask=e0 + offs < E, other=float("-inf"))
             key = _ordered_key(x)
             ok = x > float("-inf")
