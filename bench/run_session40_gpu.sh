@@ -4,8 +4,12 @@
 #   inverse rope in its epilogue, FUSE_ROPE_OUT), its lazy rescale (RESCALE_TAU) and its weights by one ex2 (EXP2),
 #   their first GPU run: the sparse attention CUDA tests, the kernels alone at 8k (prefill_attention_gpu.py --q-norm
 #   --tau --exp2), TTFT at 1k / 8k with the switches off and on (alternating, same tree).
-# PART=b: the engine's CUDA tests and batch invariance with FUSE_Q_NORM on (and RESCALE_TAU=$TAU, EXP2=1 when set),
-#   then the 8k prefill's kernels with them on (profile_prefill.py).
+# PART=b: the changes that are on by default, against BASE (`git archive 9b703b2 dsv4` in .abbase: the session's
+#   first head; carry .abbase): the top-k kernel's CUDA tests, the small kernels at 8k on both trees (the top-k that
+#   stops at each token's last visible column), TTFT at 1k / 8k on both trees (that and the streams gathered from
+#   the embedding in one gather).
+# PART=c: the engine's CUDA tests and batch invariance with FUSE_Q_NORM on (and RESCALE_TAU=$TAU, EXP2=1 when set),
+#   then the 8k prefill's kernels and torch ops with them on (profile_prefill.py --ops).
 source bench/call_budget.sh
 on() {  # a bench script or pytest with the switches set before anything builds an engine
   python3 -c "import sys, runpy; import dsv4.kernels.sparse_attention as s; s.FUSE_Q_NORM = True; \
@@ -25,11 +29,25 @@ if [ "${PART:-a}" = a ]; then
     PYTHONPATH=$ROOT timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 $args 2>&1 | grep -Ev "$F" \
       | grep "compiled after\|^| off"
   done
+elif [ "${PART}" = b ]; then
+  PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "topk or indexer" 2>&1 \
+    | tail -2
+  cd bench
+  for tree in "$BASE" "$ROOT"; do
+    echo "== tree: $tree"
+    PYTHONPATH=$tree timeout $(left) python3 prefill_small_kernels_gpu.py --tokens 8192 2>&1 | grep -Ev "$F" \
+      | grep "^|"
+  done
+  for tree in "$BASE" "$ROOT" "$BASE" "$ROOT"; do
+    echo "== tree: $tree"
+    PYTHONPATH=$tree timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 2>&1 | grep -Ev "$F" \
+      | grep "compiled after\|^| off"
+  done
 else
   PYTHONPATH=$ROOT timeout $(left) bash -c "$(declare -f on); on pytest -q -x tests/test_engine_cuda.py \
 tests/test_batch_invariant.py" 2>&1 | tail -3
   cd bench
-  PYTHONPATH=$ROOT timeout $(left) bash -c "$(declare -f on); on profile_prefill.py --lens 8192 --top 40 --gaps" \
+  PYTHONPATH=$ROOT timeout $(left) bash -c "$(declare -f on); on profile_prefill.py --lens 8192 --top 40 --gaps --ops" \
     2>&1 | grep -Ev "$F" | grep "^|\|TTFT"
 fi
 echo "total: $((SECONDS - START)) s"
