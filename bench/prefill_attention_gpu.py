@@ -101,6 +101,9 @@ def main():
                          " block)")
     ap.add_argument("--exp2", nargs="*", default=["off"], choices=["off", "on"],
                     help="the single pass's weights as 2**x by one ex2.approx.ftz (sparse_attention.EXP2), to time")
+    ap.add_argument("--split-scores", nargs="*", default=["off"], choices=["off", "on"],
+                    help="the wide tile's scores computed once, split between the warpgroups"
+                         " (sparse_attention.SPLIT_SCORES), to time")
     ap.add_argument("--q-norm", action="store_true",
                     help="also the path the engine takes for a raw q: its norm + rope, the attention and the output's"
                          " inverse rope as three kernels, against the single pass doing all three (FUSE_Q_NORM), and"
@@ -124,11 +127,13 @@ def main():
         ref = sa.sparse_sink_attention_ref(q[sub].double(), [(r.double(), i[sub], v[sub]) for r, i, v in sources],
                                            sink.double(), scale)
         tiles = TILES if a.tiles is None else ["auto", None] + [tuple(int(x) for x in t.split("/")) for t in a.tiles]
-        for tile, skip, tau, e2 in [(t, v, u, x) for x in a.exp2 for u in a.tau for v in a.skip for t in tiles]:
-            sa.SKIP, sa.RESCALE_TAU, sa.EXP2 = int(skip), tau, e2 == "on"
+        for tile, skip, tau, e2, sp in [(t, v, u, x, y) for y in a.split_scores for x in a.exp2 for u in a.tau
+                                        for v in a.skip for t in tiles]:
+            sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES = int(skip), tau, e2 == "on", sp == "on"
             name = {"auto": "auto (the path taken)", None: "single pass, default tile"}.get(tile) or "/".join(
                 str(x) for x in tile)
-            name += f", SKIP {skip}" + (f", TAU {tau:g}" if tau else "") + (", EXP2" if sa.EXP2 else "")
+            name += (f", SKIP {skip}" + (f", TAU {tau:g}" if tau else "") + (", EXP2" if sa.EXP2 else "")
+                     + (", SPLIT_SCORES" if sa.SPLIT_SCORES else ""))
             try:
                 if tile == "auto":
                     fn = lambda: sa.sparse_sink_attention(q, sources, sink, scale)
@@ -140,7 +145,7 @@ def main():
                 rows_out.append([N, kind, name, f"failed: {type(e).__name__} {str(e)[:60]}", "", ""])
                 continue
             rows_out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
-        sa.SKIP, sa.RESCALE_TAU, sa.EXP2 = SKIP, TAU, False
+        sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES = SKIP, TAU, False, False
         if a.q_norm:
             rows_out += q_norm_rows(N, kind, q, sources, sink, scale, sub, flops)
         del q, sources

@@ -68,12 +68,16 @@ def test_sparse_sink_attention_tiles_match_torch(dtype, tile, N, H, D, K2):
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("split_scores", [False, True])
 @pytest.mark.parametrize("tile", [None, (64, 64, 8, 1)])
-def test_sparse_sink_attention_fp8_rows_wide_tile(tile):
+def test_sparse_sink_attention_fp8_rows_wide_tile(monkeypatch, tile, split_scores):
     """An FP8 cache's rows (e4m3 and a scale per 64 values) through the wide tile equal the twin, which
-    dequantises them as the cache reads them."""
+    dequantises them as the cache reads them; with the scores' product split between the warpgroups too
+    (SPLIT_SCORES)."""
     from dsv4.kernels import sparse_attention as sa
     from dsv4.kernels.fp8 import quantize_fp8
+
+    monkeypatch.setattr(sa, "SPLIT_SCORES", split_scores)
 
     q, src, sink, _ = _attention_case(torch.bfloat16, 96, 64, 512, 300, 129, 2000, 512)
     fp8 = [(*quantize_fp8(kv), i, v) for kv, i, v in src]
@@ -129,24 +133,26 @@ def test_sparse_sink_attention_norms_raw_q(dtype, N, H, D, K2, split):
     assert rel_err(fused, apart) < tol
 
 
-@pytest.mark.parametrize("tau, exp2", [(8.0, False), (0.0, True), (8.0, True)])
+@pytest.mark.parametrize("variant", [dict(RESCALE_TAU=8.0), dict(EXP2=True), dict(RESCALE_TAU=8.0, EXP2=True),
+                                     dict(SPLIT_SCORES=True), dict(SPLIT_SCORES=True, EXP2=True)])
 @pytest.mark.parametrize("dtype, N, qscale", [
     (torch.bfloat16, 200, 1.0),  # the wide tile, scores near the sink's: the max rarely moves past the margin
     (torch.bfloat16, 200, 8.0),  # scores far apart: rescales
     (torch.bfloat16, 40, 8.0),  # the default tile
     (torch.float32, 70, 8.0),
 ])
-def test_sparse_sink_attention_softmax_variants(monkeypatch, dtype, N, qscale, tau, exp2):
+def test_sparse_sink_attention_softmax_variants(monkeypatch, dtype, N, qscale, variant):
     """The single pass's softmax variants against the float64 twin, with small and with large scores: RESCALE_TAU
-    (the running max moved, and the sums rescaled, only where a row's max would grow past the margin) and EXP2 (the
-    weights as 2**x by one ex2.approx.ftz, the scores in units of log2)."""
+    (the running max moved, and the sums rescaled, only where a row's max would grow past the margin), EXP2 (the
+    weights as 2**x by one ex2.approx.ftz, the scores in units of log2) and SPLIT_SCORES (the wide tile's scores
+    computed once, their columns split between the warpgroups)."""
     from dsv4.kernels import sparse_attention as sa
 
     q, src, sink, _ = _attention_case(dtype, N, 64, 512, 300, 129, 2000, 512)
     q = (q.float() * qscale).to(dtype)
     ref = sparse_sink_attention_ref(q.double(), [(k.double(), i, v) for k, i, v in src], sink.double(), 512 ** -0.5)
-    monkeypatch.setattr(sa, "RESCALE_TAU", tau)
-    monkeypatch.setattr(sa, "EXP2", exp2)
+    for name, value in variant.items():
+        monkeypatch.setattr(sa, name, value)
     out = sa._sparse_sink_attention(q, src, sink, 512 ** -0.5, 0)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

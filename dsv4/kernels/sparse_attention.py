@@ -111,18 +111,32 @@ if HAVE_TRITON:
             return tl.exp(x)
 
     @triton.jit
+    def _scores(q, kv, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(q, tl.trans(kv), input_precision="ieee")
+        else:
+            return tl.dot(q, tl.trans(kv))
+
+    @triton.jit
     def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr, TAU: tl.constexpr = 0.0,
-                      EXP: tl.constexpr = 0):
+                      EXP: tl.constexpr = 0, SPLIT_S: tl.constexpr = False, side=0):
         """One block of keys into the online softmax (m, l, acc); kv [BK, D] is 0 where not ok. EXP (``_exp``) > 0:
         the scores, m and ``scale`` in units of log2 (the caller's scale times log2 e), the weights 2**(s - m).
         TAU > 0 (m finite: the single pass starts it at the sink): the running max moves, and l and acc are
         rescaled, only when some row's max would grow by more than TAU; otherwise the block's weights are taken
         against the old max (at most e**TAU, or 2**TAU, exact in float32 and in range for the value dot), and the
-        result is the same up to rounding."""
-        if IEEE:
-            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        result is the same up to rounding. SPLIT_S: the scores' product written on both sides of a branch on
+        ``side`` (a runtime value; the same product either way): its result then reaches the value dot only
+        through the branch's yield, so Triton does not lay it out as the head of a chain of dots (every warp along
+        its rows: with 64 rows and 8 warps both warpgroups compute all of it) but splits its columns between the
+        warpgroups, which then share the weights through shared memory; the compiled code keeps one product."""
+        if SPLIT_S:
+            if side:
+                s = _scores(q, kv, IEEE)
+            else:
+                s = _scores(q, kv, IEEE)
         else:
-            s = tl.dot(q, tl.trans(kv))
+            s = _scores(q, kv, IEEE)
         s = tl.where(ok[None, :], s * scale, float("-inf"))  # [BH, BK]
         if TAU > 0:
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -209,7 +223,7 @@ if HAVE_TRITON:
                                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                  IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
                                  SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, ROPE_OUT: tl.constexpr,
-                                 TAU: tl.constexpr, EXP: tl.constexpr, PDL: tl.constexpr):
+                                 TAU: tl.constexpr, EXP: tl.constexpr, SPLIT_S: tl.constexpr, PDL: tl.constexpr):
         """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
         sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
         a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
@@ -221,7 +235,8 @@ if HAVE_TRITON:
         this one that reads it back. ROPE_OUT: the output's last R channels of each head then rotated back by the
         same angles (the inverse rope ``Attention.forward`` applies), from the rounded output, as
         ``kernels.rope``'s kernel does after this one. TAU: ``_attend_block``'s lazy rescale (0: every block). EXP:
-        its exponential (> 0: ``scale`` given in units of log2, the caller's times log2 e)."""
+        its exponential (> 0: ``scale`` given in units of log2, the caller's times log2 e). SPLIT_S: its scores'
+        product split between the warpgroups (branching on the block's source)."""
         enter(PDL)
         n = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -256,7 +271,7 @@ if HAVE_TRITON:
                                  tl.where(two, IDX2, IDX1), tl.where(two, VAL2, VAL1),
                                  tl.where(two, stride_i2, stride_i1), tl.where(two, K2, K1),
                                  (b - tl.where(two, nb1, 0)) * BLOCK_K + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
-            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE, TAU, EXP)
+            m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE, TAU, EXP, SPLIT_S, two)
         out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
@@ -392,6 +407,9 @@ FUSE_Q_NORM = False  # the single pass norms and ropes a raw q itself (``q_norm`
 FUSE_ROPE_OUT = True  # ... and with it rotates its output back (the inverse rope) in its epilogue
 RESCALE_TAU = 0.0  # the single pass's lazy rescale (``_attend_block``'s TAU; 0: every block); not yet measured
 EXP2 = False  # the single pass's weights as 2**x, one ex2.approx.ftz each (``_exp``); not yet measured on a GPU
+SPLIT_SCORES = False  # the wide tile's scores computed once, their columns split between the warpgroups, rather
+# than by both (``_attend_block``'s SPLIT_S): sm_90 SASS a key block 36 HGMMA against 68, 1017 instructions against
+# 1397; not yet run on a GPU
 
 
 def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
@@ -461,8 +479,8 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             rope.positions.contiguous() if fused else i1, rope.table.contiguous() if fused else sink,
             q_norm[0] if fused else 0.0,  # (unused pointers and eps without the fused norm)
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            SKIP=SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, EXP=exp, num_warps=num_warps, **extra,
-            **pdl.args())
+            SKIP=SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, EXP=exp,
+            SPLIT_S=SPLIT_SCORES and block_h >= 64, num_warps=num_warps, **extra, **pdl.args())
         return _rope_back(out, q_norm) if q_norm is not None and not rope_out else out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
