@@ -22,6 +22,7 @@ import torch
 from dsv4.cache import ops
 from dsv4.cache.layout import CacheConfigError, CacheLayout
 from dsv4.config import CSA_RATIO
+from dsv4.kernels import store as store_kernel
 from dsv4.kernels.fp8 import FP8, dequantize_fp8, num_scale_blocks, quantize_fp8, store_rows
 
 KV_DTYPES = ("auto", "bf16", "fp32", "fp16", "fp64", "fp8")
@@ -138,7 +139,13 @@ class CacheStorage:
         return self._read(self.swa[l], self.swa_scale[l], rows)
 
     def write_swa(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(self.swa[l], self.swa_scale[l], rows, values)
+        """Window rows [N, D] to ring rows [N]; rows sent to the null row 0 (a prefill chunk's rows before its
+        last window, padding) may be left unwritten: nothing reads that row."""
+        data = self.swa[l]
+        if self.swa_scale[l] is None and store_kernel.usable(data, rows.reshape(-1), values.reshape(-1, data.shape[1])):
+            store_kernel.store_kept_rows(data, rows.reshape(-1), values.reshape(-1, data.shape[1]), null=0)
+            return
+        self._write(data, self.swa_scale[l], rows, values)
 
     def read_entries(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self._read(self.entries[l], self.entry_scale[l], rows)
