@@ -5,10 +5,11 @@
 #   its scores computed once, split between the warpgroups (SPLIT_SCORES), their first GPU run: the sparse
 #   attention CUDA tests, the kernels alone at 8k (prefill_attention_gpu.py --q-norm --tau --exp2 --split-scores),
 #   TTFT at 1k / 8k with the switches off and on (alternating, same tree).
-# PART=b: the changes that are on by default, against BASE (`git archive 9b703b2 dsv4` in .abbase: the session's
-#   first head; carry .abbase): the top-k kernel's CUDA tests, the small kernels at 8k on both trees (the top-k that
-#   stops at each token's last visible column), TTFT at 1k / 8k on both trees (that and the streams gathered from
-#   the embedding in one gather).
+# PART=b (run it first: these changes are on by default and have not run on a GPU), against BASE (`git archive
+#   9b703b2 dsv4` in .abbase: the session's first head; carry .abbase): the top-k's and the window store's CUDA
+#   tests, the small kernels at 8k on both trees (the top-k that stops at each token's last visible column), TTFT
+#   at 1k / 8k on both trees (that, the streams gathered from the embedding in one gather, the window store that
+#   skips the null row).
 # PART=c: the engine's CUDA tests and batch invariance with FUSE_Q_NORM on (and RESCALE_TAU=$TAU, EXP2=1, SPLIT=1),
 #   then the 8k prefill's kernels and torch ops with them on (profile_prefill.py --ops).
 source bench/call_budget.sh
@@ -32,8 +33,8 @@ if [ "${PART:-a}" = a ]; then
       | grep "compiled after\|^| off"
   done
 elif [ "${PART}" = b ]; then
-  PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py -k "topk or indexer" 2>&1 \
-    | tail -2
+  PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_kernels_cuda.py \
+    -k "topk or indexer or store_kept" 2>&1 | tail -2
   cd bench
   for tree in "$BASE" "$ROOT"; do
     echo "== tree: $tree"
