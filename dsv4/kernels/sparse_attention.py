@@ -129,7 +129,9 @@ if HAVE_TRITON:
         ``side`` (a runtime value; the same product either way): its result then reaches the value dot only
         through the branch's yield, so Triton does not lay it out as the head of a chain of dots (every warp along
         its rows: with 64 rows and 8 warps both warpgroups compute all of it) but splits its columns between the
-        warpgroups, which then share the weights through shared memory; the compiled code keeps one product."""
+        warpgroups, which then share the weights through shared memory; the compiled code keeps one product. l
+        is then [BH, BK], each row's partial sums by column, which the caller sums once after its loop (a row sum
+        a block would cross the warpgroups: 9 barriers a block against 6, sm_90)."""
         if SPLIT_S:
             if side:
                 s = _scores(q, kv, IEEE)
@@ -142,11 +144,17 @@ if HAVE_TRITON:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             if tl.max(m_new - m, axis=0) > TAU:  # one branch for the program: rescale every row or none
                 alpha = _exp(m - m_new, EXP)
-                l = l * alpha
+                if SPLIT_S:
+                    l = l * alpha[:, None]
+                else:
+                    l = l * alpha
                 acc = acc * alpha[:, None]
                 m = m_new
             p = _exp(s - m[:, None], EXP)
-            l = l + tl.sum(p, axis=1)
+            if SPLIT_S:
+                l = l + p
+            else:
+                l = l + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
             else:
@@ -157,7 +165,10 @@ if HAVE_TRITON:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
             alpha = _exp(m - m_use, EXP)
             p = _exp(s - m_use[:, None], EXP)
-            l = l * alpha + tl.sum(p, axis=1)
+            if SPLIT_S:
+                l = l * alpha[:, None] + p
+            else:
+                l = l * alpha + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
             else:
@@ -261,7 +272,10 @@ if HAVE_TRITON:
         m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         if EXP:
             m = m * 1.4426950408889634  # log2 e: the max in the scores' units
-        l = tl.full([BLOCK_H], 1.0, tl.float32)
+        if SPLIT_S:  # the denominator's partial sums by column (the sink's 1 in column 0), summed after the loop
+            l = tl.where(tl.arange(0, BLOCK_K)[None, :] == 0, 1.0, tl.zeros([BLOCK_H, BLOCK_K], tl.float32))
+        else:
+            l = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
         nb1 = tl.cdiv(E1, BLOCK_K)
         for b in range(0, nb1 + tl.cdiv(E2, BLOCK_K)):  # source 1's blocks, then source 2's
@@ -272,7 +286,10 @@ if HAVE_TRITON:
                                  tl.where(two, stride_i2, stride_i1), tl.where(two, K2, K1),
                                  (b - tl.where(two, nb1, 0)) * BLOCK_K + tl.arange(0, BLOCK_K), D, FP8, FP8_BLOCK)
             m, l, acc = _attend_block(q, m, l, acc, kv.to(q.dtype), ok, scale, IEEE, TAU, EXP, SPLIT_S, two)
-        out = acc / l[:, None]
+        if SPLIT_S:
+            out = acc / tl.sum(l, axis=1)[:, None]
+        else:
+            out = acc / l[:, None]
         tl.store(OUT + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=hmask[:, None])
         if ROPE_OUT:  # the rope channels read back rounded (the program's own stores, after a barrier), rotated
@@ -408,8 +425,8 @@ FUSE_ROPE_OUT = True  # ... and with it rotates its output back (the inverse rop
 RESCALE_TAU = 0.0  # the single pass's lazy rescale (``_attend_block``'s TAU; 0: every block); not yet measured
 EXP2 = False  # the single pass's weights as 2**x, one ex2.approx.ftz each (``_exp``); not yet measured on a GPU
 SPLIT_SCORES = False  # the wide tile's scores computed once, their columns split between the warpgroups, rather
-# than by both (``_attend_block``'s SPLIT_S): sm_90 SASS a key block 36 HGMMA against 68, 1017 instructions against
-# 1397; not yet run on a GPU
+# than by both (``_attend_block``'s SPLIT_S): sm_90 SASS a key block 36 HGMMA against 68, 1045 instructions against
+# 1397, 6 barriers against 2; not yet run on a GPU
 
 
 def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
