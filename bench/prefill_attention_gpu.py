@@ -71,7 +71,7 @@ def q_norm_rows(N, kind, q, sources, sink, scale, sub, flops):
     qn = apply_rope(rms_norm(q[sub].double(), None, 1e-6), r64)
     ref = sa.sparse_sink_attention_ref(qn, [(r.double(), i[sub], v[sub]) for r, i, v in sources], sink.double(), scale)
     ref = apply_rope(ref, r64, inverse=True)
-    out = []
+    out, rope_out_default = [], sa.FUSE_ROPE_OUT
     for name, fuse, rope_out in [("q norm, attention, rope: three kernels", False, True),
                                  ("q norm in the prologue, rope's kernel after", True, False),
                                  ("q norm in the prologue, rope in the epilogue", True, True)]:
@@ -80,7 +80,7 @@ def q_norm_rows(N, kind, q, sources, sink, scale, sub, flops):
         err = ((fn()[sub].double() - ref).abs().max() / ref.abs().max()).item()
         ms = event_ms(fn)
         out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
-    sa.FUSE_ROPE_OUT = True
+    sa.FUSE_ROPE_OUT = rope_out_default
     return out
 
 
@@ -110,8 +110,7 @@ def main():
                          " the fused prologue alone (FUSE_ROPE_OUT off)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
-    global SKIP, TAU
-    SKIP, TAU = sa.SKIP, sa.RESCALE_TAU
+    defaults = sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES  # restored after each case's sweep
     H, D, W = 64, 512, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = D ** -0.5
@@ -145,7 +144,7 @@ def main():
                 rows_out.append([N, kind, name, f"failed: {type(e).__name__} {str(e)[:60]}", "", ""])
                 continue
             rows_out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
-        sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES = SKIP, TAU, False, False
+        sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES = defaults
         if a.q_norm:
             rows_out += q_norm_rows(N, kind, q, sources, sink, scale, sub, flops)
         del q, sources

@@ -596,23 +596,3 @@ def test_rms_norm_rope_stores_into_cache_rows(x_dtype, out_dtype, D, R):
     tol = 7e-2 if fp8 else 1e-2 if torch.bfloat16 in (x_dtype, out_dtype) else 1e-6
     assert rel_err(read(got)[1:], read(twin)[1:]) < tol
 
-
-@pytest.mark.parametrize("dtype, vdtype, D", [(torch.bfloat16, torch.bfloat16, 512), (torch.float32, torch.float32, 96),
-                                              (torch.bfloat16, torch.float32, 1536)])
-def test_store_kept_rows_leaves_the_null_row(dtype, vdtype, D):
-    """The window ring's store (``kernels.store``, taken by ``CacheStorage.write_swa``): rows sent anywhere but
-    the null row 0 hold what index_copy_ gives them (cast to the cache's dtype), rows not named and the null row
-    are untouched, with a prefill chunk's thousands of rows sent to the null row."""
-    from dsv4.kernels.store import store_kept_rows, usable
-
-    g = torch.Generator(device="cuda").manual_seed(D)
-    R, N = 300, 5000
-    data = torch.randn(R, D, device="cuda", generator=g).to(dtype)
-    want = data.clone()
-    rows = torch.zeros(N, dtype=torch.long, device="cuda")
-    rows[-128:] = torch.randperm(R - 1, device="cuda", generator=g)[:128] + 1
-    values = torch.randn(N, D, device="cuda", generator=g).to(vdtype)
-    assert usable(data, rows, values)
-    store_kept_rows(data, rows, values)
-    want[1:].index_copy_(0, rows[-128:] - 1, values[-128:].to(dtype))
-    assert torch.equal(data, want)

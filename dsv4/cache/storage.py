@@ -133,19 +133,20 @@ class CacheStorage:
         return dequantize_fp8(q, scale[flat], self.dtype).reshape(tuple(rows.shape) + (data.shape[1],))
 
     def _write(self, data, scale, rows, values):
-        store_rows(data, scale, rows, values)
+        """Rows [N, D] to the cache rows ``rows``. Rows sent to row 0 (the null slot's or block's: a prefill chunk's
+        rows before its last window, padding) may be left unwritten: nothing reads it. On the kernels a 16/32-bit
+        cache takes ``kernels.store``, which skips them; ``store_rows`` (index_copy_) writes every row."""
+        rows, values = rows.reshape(-1), values.reshape(-1, data.shape[1])
+        if scale is None and store_kernel.usable(data, rows, values):
+            store_kernel.store_kept_rows(data, rows, values, null=0)
+        else:
+            store_rows(data, scale, rows, values)
 
     def read_swa(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self._read(self.swa[l], self.swa_scale[l], rows)
 
     def write_swa(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Window rows [N, D] to ring rows [N]; rows sent to the null row 0 (a prefill chunk's rows before its
-        last window, padding) may be left unwritten: nothing reads that row."""
-        data = self.swa[l]
-        if self.swa_scale[l] is None and store_kernel.usable(data, rows.reshape(-1), values.reshape(-1, data.shape[1])):
-            store_kernel.store_kept_rows(data, rows.reshape(-1), values.reshape(-1, data.shape[1]), null=0)
-            return
-        self._write(data, self.swa_scale[l], rows, values)
+        self._write(self.swa[l], self.swa_scale[l], rows, values)
 
     def read_entries(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self._read(self.entries[l], self.entry_scale[l], rows)

@@ -111,11 +111,28 @@ if HAVE_TRITON:
             return tl.exp(x)
 
     @triton.jit
-    def _scores(q, kv, IEEE: tl.constexpr):
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b in float32 (IEEE: exact float32 products, not TF32)."""
         if IEEE:
-            return tl.dot(q, tl.trans(kv), input_precision="ieee")
+            return tl.dot(a, b, input_precision="ieee")
         else:
-            return tl.dot(q, tl.trans(kv))
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _rescaled(l, alpha, SPLIT_S: tl.constexpr):
+        """The denominator l times each row's alpha (SPLIT_S: l [BH, BK], partial sums by column)."""
+        if SPLIT_S:
+            return l * alpha[:, None]
+        else:
+            return l * alpha
+
+    @triton.jit
+    def _plus_weights(l, p, SPLIT_S: tl.constexpr):
+        """The denominator l plus the block's weights p [BH, BK] (SPLIT_S: by column, else their row sums)."""
+        if SPLIT_S:
+            return l + p
+        else:
+            return l + tl.sum(p, axis=1)
 
     @triton.jit
     def _attend_block(q, m, l, acc, kv, ok, scale, IEEE: tl.constexpr, TAU: tl.constexpr = 0.0,
@@ -134,45 +151,30 @@ if HAVE_TRITON:
         a block would cross the warpgroups: 9 barriers a block against 6, sm_90)."""
         if SPLIT_S:
             if side:
-                s = _scores(q, kv, IEEE)
+                s = _dot(q, tl.trans(kv), IEEE)
             else:
-                s = _scores(q, kv, IEEE)
+                s = _dot(q, tl.trans(kv), IEEE)
         else:
-            s = _scores(q, kv, IEEE)
+            s = _dot(q, tl.trans(kv), IEEE)
         s = tl.where(ok[None, :], s * scale, float("-inf"))  # [BH, BK]
         if TAU > 0:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             if tl.max(m_new - m, axis=0) > TAU:  # one branch for the program: rescale every row or none
                 alpha = _exp(m - m_new, EXP)
-                if SPLIT_S:
-                    l = l * alpha[:, None]
-                else:
-                    l = l * alpha
+                l = _rescaled(l, alpha, SPLIT_S)
                 acc = acc * alpha[:, None]
                 m = m_new
             p = _exp(s - m[:, None], EXP)
-            if SPLIT_S:
-                l = l + p
-            else:
-                l = l + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-            else:
-                acc = acc + tl.dot(p.to(kv.dtype), kv)
+            l = _plus_weights(l, p, SPLIT_S)
+            acc = acc + _dot(p.to(kv.dtype), kv, IEEE)
             m_out = m
         else:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
             alpha = _exp(m - m_use, EXP)
             p = _exp(s - m_use[:, None], EXP)
-            if SPLIT_S:
-                l = l * alpha[:, None] + p
-            else:
-                l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            l = _plus_weights(_rescaled(l, alpha, SPLIT_S), p, SPLIT_S)
+            acc = acc * alpha[:, None] + _dot(p.to(kv.dtype), kv, IEEE)
             m_out = m_new
         return m_out, l, acc
 
