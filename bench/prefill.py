@@ -96,8 +96,10 @@ def main():
         sparse_attention.FUSE_ROPE_OUT = not args.no_fuse_rope_out
     if args.rescale_tau is not None:
         sparse_attention.RESCALE_TAU = args.rescale_tau
-    sparse_attention.EXP2 = sparse_attention.EXP2 or args.exp2
-    sparse_attention.SPLIT_SCORES = sparse_attention.SPLIT_SCORES or args.split_scores
+    if args.exp2:  # (set only when asked: an A/B's earlier tree may lack the switch)
+        sparse_attention.EXP2 = True
+    if args.split_scores:
+        sparse_attention.SPLIT_SCORES = True
     if args.moe_rows:
         from dsv4.kernels import moe
 
