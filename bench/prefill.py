@@ -82,11 +82,12 @@ def main():
                          " (sparse_attention.FUSE_ROPE_OUT off)")
     ap.add_argument("--rescale-tau", type=float, default=None,
                     help="the attention's lazy rescale margin (sparse_attention.RESCALE_TAU; 0: every block)")
-    ap.add_argument("--exp2", action="store_true",
-                    help="the attention's weights as 2**x by one ex2.approx.ftz (sparse_attention.EXP2)")
-    ap.add_argument("--split-scores", action="store_true",
+    ap.add_argument("--exp2", choices=["on", "off"], default=None,
+                    help="the attention's weights as 2**x by one ex2.approx.ftz (sparse_attention.EXP2; default:"
+                         " the module's, on)")
+    ap.add_argument("--split-scores", choices=["on", "off"], default=None,
                     help="the attention's wide tile computes its scores once, split between the warpgroups"
-                         " (sparse_attention.SPLIT_SCORES)")
+                         " (sparse_attention.SPLIT_SCORES; default: the module's, on)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     from dsv4.kernels import sparse_attention  # its switches before the engine is built: prefill graphs capture them
@@ -97,9 +98,9 @@ def main():
     if args.rescale_tau is not None:
         sparse_attention.RESCALE_TAU = args.rescale_tau
     if args.exp2:  # (set only when asked: an A/B's earlier tree may lack the switch)
-        sparse_attention.EXP2 = True
+        sparse_attention.EXP2 = args.exp2 == "on"
     if args.split_scores:
-        sparse_attention.SPLIT_SCORES = True
+        sparse_attention.SPLIT_SCORES = args.split_scores == "on"
     if args.moe_rows:
         from dsv4.kernels import moe
 
@@ -141,7 +142,8 @@ def main():
            + ("" if args.grouped_mm == "on" else ", experts' prefill GEMMs on the Triton kernel")
            + (f", q norm{'' if args.no_fuse_rope_out else ' and output rope'} in the attention" if args.fuse_q_norm
               else "") + (f", rescale margin {args.rescale_tau:g}" if args.rescale_tau else "")
-           + (", weights by ex2" if args.exp2 else "") + (", scores split" if args.split_scores else "")
+           + (f", EXP2 {args.exp2}" if args.exp2 else "")
+           + (f", SPLIT_SCORES {args.split_scores}" if args.split_scores else "")
            + f", prefill graphs {graphs.prefill_tokens if graphs is not None else None}",
            text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")

@@ -9,6 +9,9 @@
 # PART=b: the engine's CUDA tests and batch invariance with the switches on (FUSE_Q_NORM, SPLIT=1, EXP2=1 by
 #   default), the small kernels at 8k on both trees, the 8k prefill's kernels and torch ops (profile_prefill.py
 #   --ops) with the switches on.
+# PART=c: with EXP2 and SPLIT_SCORES on by default and the compressor-state ring's writes on the store that skips
+#   the null row: the attention's variants, the engine's CUDA tests and batch invariance; the 8k prefill's
+#   index_put / store launches and TTFT.
 source bench/call_budget.sh
 on() {  # a bench script or pytest with the switches set before anything builds an engine
   python3 -c "import sys, runpy; import dsv4.kernels.sparse_attention as s; s.FUSE_Q_NORM = bool(${QN:-1}); \
@@ -32,6 +35,17 @@ if [ "${PART:-a}" = a ]; then
     PYTHONPATH=$tree timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 $args 2>&1 | grep -Ev "$F" \
       | grep "compiled after\|^| off"
   done
+elif [ "${PART}" = c ]; then  # the defaults after PART=a (EXP2 and SPLIT_SCORES on) and the state ring's store
+  T=$(left); [ $T -gt 330 ] && T=330
+  PYTHONPATH=$ROOT timeout 60 python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py -k variants 2>&1 \
+    | tail -2  # (-k applies to every file on the line)
+  PYTHONPATH=$ROOT timeout $T python3 -m pytest -q -x tests/test_engine_cuda.py tests/test_batch_invariant.py 2>&1 \
+    | tail -3
+  cd bench
+  PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 12 --ops 2>&1 | grep -Ev "$F" \
+    | grep "TTFT\|index_put\|_store_kept\|^| attention"
+  PYTHONPATH=$ROOT timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 2>&1 | grep -Ev "$F" \
+    | grep "compiled after\|^| off"
 else
   T=$(left); [ $T -gt 200 ] && T=200
   PYTHONPATH=$ROOT timeout $T bash -c "$(declare -f on); on pytest -q -x tests/test_engine_cuda.py \

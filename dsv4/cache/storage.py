@@ -132,10 +132,11 @@ class CacheStorage:
         q = data.view(torch.uint8)[flat].view(FP8)
         return dequantize_fp8(q, scale[flat], self.dtype).reshape(tuple(rows.shape) + (data.shape[1],))
 
-    def _write(self, data, scale, rows, values):
-        """Rows [N, D] to the cache rows ``rows``. Rows sent to row 0 (the null slot's or block's: a prefill chunk's
-        rows before its last window, padding) may be left unwritten: nothing reads it. On the kernels a 16/32-bit
-        cache takes ``kernels.store``, which skips them; ``store_rows`` (index_copy_) writes every row."""
+    def store(self, data, scale, rows, values):
+        """Rows [N, D] to the rows ``rows`` of one of this storage's tensors (its FP8 row scales or None). Rows sent
+        to row 0 (the null slot's or block's: a prefill chunk's rows before its last window or its last state_cap,
+        padding) may be left unwritten: nothing reads it. On the kernels a 16/32-bit tensor takes
+        ``kernels.store``, which skips them; ``store_rows`` (index_copy_) writes every row."""
         rows, values = rows.reshape(-1), values.reshape(-1, data.shape[1])
         if scale is None and store_kernel.usable(data, rows, values):
             store_kernel.store_kept_rows(data, rows, values, null=0)
@@ -146,13 +147,13 @@ class CacheStorage:
         return self._read(self.swa[l], self.swa_scale[l], rows)
 
     def write_swa(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(self.swa[l], self.swa_scale[l], rows, values)
+        self.store(self.swa[l], self.swa_scale[l], rows, values)
 
     def read_entries(self, l: int, rows: torch.Tensor) -> torch.Tensor:
         return self._read(self.entries[l], self.entry_scale[l], rows)
 
     def write_entries(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(self.entries[l], self.entry_scale[l], rows, values)
+        self.store(self.entries[l], self.entry_scale[l], rows, values)
 
     def entry_rows(self, l: int, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer l's entries (name "main", with their FP8 scales or None) or index keys ("indexer", never FP8):

@@ -97,5 +97,5 @@ class CachedBackend:
             kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
             store_rows(data, scale, t.win_write, comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos))
         if self.state_destination(layer_id, name, comp.ratio) is None:  # else the projection stored them
-            state[t.state_write] = step_rows
+            st.store(state, None, t.state_write, step_rows)  # (a prefill chunk's rows but its last state_cap: row 0)
         return t

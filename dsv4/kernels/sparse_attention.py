@@ -425,10 +425,15 @@ def wide_tile(H: int, fp8: bool = False) -> tuple:
 FUSE_Q_NORM = False  # the single pass norms and ropes a raw q itself (``q_norm``); not yet measured on a GPU
 FUSE_ROPE_OUT = True  # ... and with it rotates its output back (the inverse rope) in its epilogue
 RESCALE_TAU = 0.0  # the single pass's lazy rescale (``_attend_block``'s TAU; 0: every block); not yet measured
-EXP2 = False  # the single pass's weights as 2**x, one ex2.approx.ftz each (``_exp``); not yet measured on a GPU
-SPLIT_SCORES = False  # the wide tile's scores computed once, their columns split between the warpgroups, rather
-# than by both (``_attend_block``'s SPLIT_S): sm_90 SASS a key block 36 HGMMA against 68, 1045 instructions against
-# 1397, 6 barriers against 2; not yet run on a GPU
+# EXP2: the single pass's weights as 2**x, one ex2.approx.ftz each (``_exp``). SPLIT_SCORES: the wide tile's scores
+# computed once, their columns split between the warpgroups, rather than by both (``_attend_block``'s SPLIT_S; sm_90
+# SASS a key block 36 HGMMA against 68, 1045 instructions against 1397, 6 barriers against 2). Measured together on
+# an H100 (bench/prefill_attention_gpu.py --tokens 8192, the path taken, ms, off -> both): the window layer 1.235 ->
+# 0.974, HCA 1.385 -> 1.239, CSA 3.242 -> 2.581; alone, EXP2 1.053 / 1.315 / 3.039, SPLIT_SCORES 1.078 / 1.246 /
+# 2.677. 8k TTFT (prefill.py, flash-L4-E32, two turns in one call) 51.7 / 50.9 -> 50.6 / 50.1 ms (BENCHMARKS.md,
+# forty-first session)
+EXP2 = True
+SPLIT_SCORES = True
 
 
 def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
