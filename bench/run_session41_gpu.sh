@@ -36,16 +36,13 @@ if [ "${PART:-a}" = a ]; then
       | grep "compiled after\|^| off"
   done
 elif [ "${PART}" = c ]; then  # the defaults after PART=a (EXP2 and SPLIT_SCORES on) and the state ring's store
-  T=$(left); [ $T -gt 330 ] && T=330
-  PYTHONPATH=$ROOT timeout 60 python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py -k variants 2>&1 \
-    | tail -2  # (-k applies to every file on the line)
-  PYTHONPATH=$ROOT timeout $T python3 -m pytest -q -x tests/test_engine_cuda.py tests/test_batch_invariant.py 2>&1 \
-    | tail -3
+  PYTHONPATH=$ROOT timeout 60 python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py \
+    tests/test_kernel_store_cuda.py -k "variants or store_kept" 2>&1 | tail -2  # (-k applies to every file)
+  PYTHONPATH=$ROOT timeout $(($(left) - 75)) python3 -m pytest -q -x tests/test_engine_cuda.py \
+    tests/test_batch_invariant.py 2>&1 | tail -3
   cd bench
   PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 12 --ops 2>&1 | grep -Ev "$F" \
     | grep "TTFT\|index_put\|_store_kept\|^| attention"
-  PYTHONPATH=$ROOT timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 2>&1 | grep -Ev "$F" \
-    | grep "compiled after\|^| off"
 else
   T=$(left); [ $T -gt 200 ] && T=200
   PYTHONPATH=$ROOT timeout $T bash -c "$(declare -f on); on pytest -q -x tests/test_engine_cuda.py \

@@ -10,9 +10,10 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("dtype, vdtype, D", [(torch.bfloat16, torch.bfloat16, 512), (torch.float32, torch.float32, 96),
                                               (torch.bfloat16, torch.float32, 1536)])
 def test_store_kept_rows_leaves_the_null_row(dtype, vdtype, D):
-    """The cache's row store (``kernels.store``, taken by ``CacheStorage._write``): rows sent anywhere but
-    the null row 0 hold what index_copy_ gives them (cast to the cache's dtype), rows not named and the null row
-    are untouched, with a prefill chunk's thousands of rows sent to the null row."""
+    """The cache's row store (``kernels.store``, taken by ``CacheStorage.store``: the window ring, the entries, the
+    compressor-state rings at prefill): rows sent anywhere but the null row 0 hold what index_copy_ gives them (cast
+    to the cache's dtype), rows not named and the null row are untouched, with a prefill chunk's thousands of rows
+    sent to the null row."""
     from dsv4.kernels.store import store_kept_rows, usable
 
     g = torch.Generator(device="cuda").manual_seed(D)
