@@ -41,7 +41,7 @@ elif [ "${PART}" = c ]; then  # the defaults after PART=a (EXP2 and SPLIT_SCORES
   PYTHONPATH=$ROOT timeout $(($(left) - 75)) python3 -m pytest -q -x tests/test_engine_cuda.py \
     tests/test_batch_invariant.py 2>&1 | tail -3
   cd bench
-  PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 12 --ops 2>&1 | grep -Ev "$F" \
+  PYTHONPATH=$ROOT timeout $(left) python3 profile_prefill.py --lens 8192 --top 40 --ops 2>&1 | grep -Ev "$F" \
     | grep "TTFT\|index_put\|_store_kept\|^| attention"
 else
   T=$(left); [ $T -gt 200 ] && T=200
