@@ -8,7 +8,8 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("dtype, vdtype, D", [(torch.bfloat16, torch.bfloat16, 512), (torch.float32, torch.float32, 96),
-                                              (torch.bfloat16, torch.float32, 1536)])
+                                              (torch.bfloat16, torch.float32, 1536),
+                                              (torch.float32, torch.float32, 2048)])  # a CSA layer's state ring
 def test_store_kept_rows_leaves_the_null_row(dtype, vdtype, D):
     """The cache's row store (``kernels.store``, taken by ``CacheStorage.store``: the window ring, the entries, the
     compressor-state rings at prefill): rows sent anywhere but the null row 0 hold what index_copy_ gives them (cast
