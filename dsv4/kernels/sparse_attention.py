@@ -290,7 +290,7 @@ if HAVE_TRITON:
             cs, sn = angles(POS, FREQ, n, i, i < RP)
             tl.store(rot, rotate_pairs(x, cs, -sn, BLOCK_H, RP).to(OUT.dtype.element_ty), mask=hmask[:, None])
 
-    @triton.jit(do_not_specialize=["N"])  # (the token count: PERSIST's loop bound, no kernel of its own a size)
+    @triton.jit
     def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
                                  KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
                                  KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
@@ -544,8 +544,7 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             q_norm[0] if fused else 0.0,  # (unused pointers and eps without the fused norm)
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
             SKIP=0 if persist else SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, EXP=exp,
-            SPLIT_S=SPLIT_SCORES and block_h >= 64, N=N if persist else 0, PERSIST=persist, num_warps=num_warps,
-            **extra, **pdl.args())
+            SPLIT_S=SPLIT_SCORES and block_h >= 64, N=N, PERSIST=persist, num_warps=num_warps, **extra, **pdl.args())
         return _rope_back(out, q_norm) if q_norm is not None and not rope_out else out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
