@@ -88,9 +88,6 @@ def main():
     ap.add_argument("--split-scores", choices=["on", "off"], default=None,
                     help="the attention's wide tile computes its scores once, split between the warpgroups"
                          " (sparse_attention.SPLIT_SCORES; default: the module's, on)")
-    ap.add_argument("--persist", choices=["on", "off"], default=None,
-                    help="the attention's programs taking tokens in turn, one an SM, in a loop flattened with the key"
-                         " blocks' (sparse_attention.PERSIST; default: the module's, off)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     from dsv4.kernels import sparse_attention  # its switches before the engine is built: prefill graphs capture them
@@ -104,8 +101,6 @@ def main():
         sparse_attention.EXP2 = args.exp2 == "on"
     if args.split_scores:
         sparse_attention.SPLIT_SCORES = args.split_scores == "on"
-    if args.persist:
-        sparse_attention.PERSIST = args.persist == "on"
     if args.moe_rows:
         from dsv4.kernels import moe
 
@@ -149,7 +144,6 @@ def main():
               else "") + (f", rescale margin {args.rescale_tau:g}" if args.rescale_tau else "")
            + (f", EXP2 {args.exp2}" if args.exp2 else "")
            + (f", SPLIT_SCORES {args.split_scores}" if args.split_scores else "")
-           + (f", PERSIST {args.persist}" if args.persist else "")
            + f", prefill graphs {graphs.prefill_tokens if graphs is not None else None}",
            text, args.append,
            notes="FLOPs counted from the config (bench/prefill.py: prefill_flops); random weights.")

@@ -104,16 +104,13 @@ def main():
     ap.add_argument("--split-scores", nargs="*", default=["off"], choices=["off", "on"],
                     help="the wide tile's scores computed once, split between the warpgroups"
                          " (sparse_attention.SPLIT_SCORES), to time")
-    ap.add_argument("--persist", nargs="*", default=["off"], choices=["off", "on"],
-                    help="the single pass's programs taking tokens in turn, one an SM, in a loop flattened with the"
-                         " key blocks' (sparse_attention.PERSIST; reads every column: no SKIP), to time")
     ap.add_argument("--q-norm", action="store_true",
                     help="also the path the engine takes for a raw q: its norm + rope, the attention and the output's"
                          " inverse rope as three kernels, against the single pass doing all three (FUSE_Q_NORM), and"
                          " the fused prologue alone (FUSE_ROPE_OUT off)")
     ap.add_argument("--append", default=None)
     a = ap.parse_args()
-    defaults = sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES, sa.PERSIST  # restored after each case's sweep
+    defaults = sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES  # restored after each case's sweep
     H, D, W = 64, 512, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = D ** -0.5
@@ -129,14 +126,13 @@ def main():
         ref = sa.sparse_sink_attention_ref(q[sub].double(), [(r.double(), i[sub], v[sub]) for r, i, v in sources],
                                            sink.double(), scale)
         tiles = TILES if a.tiles is None else ["auto", None] + [tuple(int(x) for x in t.split("/")) for t in a.tiles]
-        for tile, skip, tau, e2, sp, ps in [(t, v, u, x, y, z) for z in a.persist for y in a.split_scores
-                                            for x in a.exp2 for u in a.tau for v in a.skip for t in tiles]:
+        for tile, skip, tau, e2, sp in [(t, v, u, x, y) for y in a.split_scores for x in a.exp2 for u in a.tau
+                                        for v in a.skip for t in tiles]:
             sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES = int(skip), tau, e2 == "on", sp == "on"
-            sa.PERSIST = ps == "on"
             name = {"auto": "auto (the path taken)", None: "single pass, default tile"}.get(tile) or "/".join(
                 str(x) for x in tile)
             name += (f", SKIP {skip}" + (f", TAU {tau:g}" if tau else "") + (", EXP2" if sa.EXP2 else "")
-                     + (", SPLIT_SCORES" if sa.SPLIT_SCORES else "") + (", PERSIST" if sa.PERSIST else ""))
+                     + (", SPLIT_SCORES" if sa.SPLIT_SCORES else ""))
             try:
                 if tile == "auto":
                     fn = lambda: sa.sparse_sink_attention(q, sources, sink, scale)
@@ -148,7 +144,7 @@ def main():
                 rows_out.append([N, kind, name, f"failed: {type(e).__name__} {str(e)[:60]}", "", ""])
                 continue
             rows_out.append([N, kind, name, f"{err:.1e}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
-        sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES, sa.PERSIST = defaults
+        sa.SKIP, sa.RESCALE_TAU, sa.EXP2, sa.SPLIT_SCORES = defaults
         if a.q_norm:
             rows_out += q_norm_rows(N, kind, q, sources, sink, scale, sub, flops)
         del q, sources

@@ -12,8 +12,6 @@
 # PART=c: with EXP2 and SPLIT_SCORES on by default and the compressor-state ring's writes on the store that skips
 #   the null row: the attention's variants, the engine's CUDA tests and batch invariance; the 8k prefill's
 #   index_put / store launches and TTFT.
-# PART=d: PART=c's engine tests cut to what call 2 did not reach. PART=e: PERSIST (the single pass's programs taking
-#   tokens in turn in a loop flattened with the key blocks'): its CUDA test, the attention at 8k off / on, TTFT.
 source bench/call_budget.sh
 on() {  # a bench script or pytest with the switches set before anything builds an engine
   python3 -c "import sys, runpy; import dsv4.kernels.sparse_attention as s; s.FUSE_Q_NORM = bool(${QN:-1}); \
@@ -49,18 +47,6 @@ elif [ "${PART}" = d ]; then  # PART=c cut to the device time left: the engine's
   PYTHONPATH=$ROOT timeout $(($(left) * 3 / 5)) python3 -m pytest -q -x tests/test_engine_cuda.py \
     -k "keep_up or far_from or kept_rows or overlap_scheduler or teacher_forced" 2>&1 | tail -2
   PYTHONPATH=$ROOT timeout $(left) python3 -m pytest -q -x tests/test_batch_invariant.py 2>&1 | tail -2
-elif [ "${PART}" = e ]; then  # PERSIST (built after the calls, not yet run): its test, the kernel at 8k, TTFT
-  PYTHONPATH=$ROOT timeout 120 python3 -m pytest -q -x tests/test_kernel_sparse_attention_cuda.py -k persistent \
-    2>&1 | tail -2
-  cd bench
-  T=$(left); [ $T -gt 100 ] && T=100
-  PYTHONPATH=$ROOT timeout $T python3 prefill_attention_gpu.py --tokens 8192 --tiles 64/64/8/2 --skip 2 \
-    --persist off on 2>&1 | grep -Ev "$F" | grep "^|"
-  for args in "--persist off" "--persist on" "--persist off" "--persist on"; do
-    echo "== prefill.py $args"
-    PYTHONPATH=$ROOT timeout $(left) python3 prefill.py --lens 1024 8192 --repeat 5 $args 2>&1 | grep -Ev "$F" \
-      | grep "compiled after\|^| off"
-  done
 else
   T=$(left); [ $T -gt 200 ] && T=200
   PYTHONPATH=$ROOT timeout $T bash -c "$(declare -f on); on pytest -q -x tests/test_engine_cuda.py \

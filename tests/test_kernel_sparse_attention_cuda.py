@@ -161,23 +161,3 @@ def test_sparse_sink_attention_softmax_variants(monkeypatch, dtype, N, qscale, v
     out = sa._sparse_sink_attention(q, src, sink, 512 ** -0.5, 0)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-@pytest.mark.parametrize("dtype, N, K2, tile", [
-    (torch.bfloat16, 700, 512, None),  # the wide tile (from WIDE_TOKENS tokens): more tokens than SMs
-    (torch.bfloat16, 300, 64, None),
-    (torch.float32, 90, 129, (64, 16, 8, 2)),
-    (torch.bfloat16, 50, 0, (32, 32, 4, 2)),  # one source
-])
-def test_sparse_sink_attention_persistent_programs(monkeypatch, dtype, N, K2, tile):
-    """PERSIST (programs taking tokens in turn, one loop flattened with the key blocks', every column read: no
-    SKIP) gives the per-token launch's bits (with SKIP: the blocks it skips add exact zeros), and the twin's
-    values."""
-    from dsv4.kernels import sparse_attention as sa
-
-    q, src, sink, ref = _attention_case(dtype, N, 64, 512, 300, 129, 2000, K2)  # (K2 = 0: one source)
-    want = sa._sparse_sink_attention(q, src, sink, 512 ** -0.5, 0, tile=tile or sa.wide_tile(64))
-    monkeypatch.setattr(sa, "PERSIST", True)
-    got = sa._sparse_sink_attention(q, src, sink, 512 ** -0.5, 0, tile=tile or sa.wide_tile(64))
-    assert torch.equal(got, want)
-    assert rel_err(got, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -229,16 +229,30 @@ if HAVE_TRITON:
         return tl.reshape(tl.join(ra, rb), (BLOCK_H, D)).to(q.dtype)
 
     @triton.jit
-    def _attend_token(n, hb, Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
-                      KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
-                      KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
-                      POS, FREQ, q_eps,
-                      D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                      SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, ROPE_OUT: tl.constexpr,
-                      TAU: tl.constexpr, EXP: tl.constexpr, SPLIT_S: tl.constexpr):
-        """The single pass's work for token n and head block hb (``_sparse_sink_attn_kernel``)."""
-        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
+                                 KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
+                                 KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
+                                 POS, FREQ, q_eps,
+                                 D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                                 SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, ROPE_OUT: tl.constexpr,
+                                 TAU: tl.constexpr, EXP: tl.constexpr, SPLIT_S: tl.constexpr, PDL: tl.constexpr):
+        """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
+        sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
+        a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
+        bench/prefill_attention_gpu.py). SKIP (bits 1 and 2: source 1, source 2): that source's blocks end at the
+        token's last valid column (the blocks after it add exact zeros: scores -inf, so m, l and acc are
+        unchanged). QNORM: q as the projection left it, each head RMS-normed (no weight, q_eps) and its last R
+        channels roped by position POS[n] and the table FREQ [R/2] here, as ``kernels.norm.rms_norm_rope`` does
+        (rounded to q's dtype after the norm and after the rope), instead of a kernel of its own that writes q and
+        this one that reads it back. ROPE_OUT: the output's last R channels of each head then rotated back by the
+        same angles (the inverse rope ``Attention.forward`` applies), from the rounded output, as
+        ``kernels.rope``'s kernel does after this one. TAU: ``_attend_block``'s lazy rescale (0: every block). EXP:
+        its exponential (> 0: ``scale`` given in units of log2, the caller's times log2 e). SPLIT_S: its scores'
+        product split between the warpgroups (branching on the block's source)."""
+        enter(PDL)
+        n = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_d = tl.arange(0, D)
         E1 = K1
@@ -289,45 +303,6 @@ if HAVE_TRITON:
             i = tl.arange(0, RP)
             cs, sn = angles(POS, FREQ, n, i, i < RP)
             tl.store(rot, rotate_pairs(x, cs, -sn, BLOCK_H, RP).to(OUT.dtype.element_ty), mask=hmask[:, None])
-
-    @triton.jit
-    def _sparse_sink_attn_kernel(Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H, scale,
-                                 KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
-                                 KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2,
-                                 POS, FREQ, q_eps,
-                                 D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 IEEE: tl.constexpr, FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                                 SKIP: tl.constexpr, QNORM: tl.constexpr, R: tl.constexpr, ROPE_OUT: tl.constexpr,
-                                 TAU: tl.constexpr, EXP: tl.constexpr, SPLIT_S: tl.constexpr, PDL: tl.constexpr,
-                                 N=0, PERSIST: tl.constexpr = False):
-        """Single pass, grid (N, head blocks): all K1 + K2 keys of token n in one program, one loop over both
-        sources' key blocks (source 1's, then source 2's), so the loads stay pipelined across the switch (a loop
-        a source: an 8k-token chunk's CSA layer 3.69 -> 3.36 ms, the window layer 1.34 -> 1.08 on an H100,
-        bench/prefill_attention_gpu.py). SKIP (bits 1 and 2: source 1, source 2): that source's blocks end at the
-        token's last valid column (the blocks after it add exact zeros: scores -inf, so m, l and acc are
-        unchanged). QNORM: q as the projection left it, each head RMS-normed (no weight, q_eps) and its last R
-        channels roped by position POS[n] and the table FREQ [R/2] here, as ``kernels.norm.rms_norm_rope`` does
-        (rounded to q's dtype after the norm and after the rope), instead of a kernel of its own that writes q and
-        this one that reads it back. ROPE_OUT: the output's last R channels of each head then rotated back by the
-        same angles (the inverse rope ``Attention.forward`` applies), from the rounded output, as
-        ``kernels.rope``'s kernel does after this one. TAU: ``_attend_block``'s lazy rescale (0: every block). EXP:
-        its exponential (> 0: ``scale`` given in units of log2, the caller's times log2 e). SPLIT_S: its scores'
-        product split between the warpgroups (branching on the block's source). PERSIST (SKIP 0, no QNORM): grid
-        (programs, head blocks), each program taking tokens pid, pid + programs, ... < N in one loop flattened with
-        the key blocks' (``tl.range(flatten=True)``: the inner trip count is the same for every token), so the
-        pipeline runs on across tokens instead of filling and draining for each."""
-        enter(PDL)
-        if PERSIST:
-            for n in tl.range(tl.program_id(0), N, tl.num_programs(0), flatten=True):
-                _attend_token(n, tl.program_id(1), Q, stride_qn, stride_qh, SINK, OUT, stride_on, stride_oh, H,
-                              scale, KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
-                              KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2, POS, FREQ, q_eps,
-                              D, BLOCK_H, BLOCK_K, IEEE, FP8, FP8_BLOCK, SKIP, QNORM, R, ROPE_OUT, TAU, EXP, SPLIT_S)
-        else:
-            _attend_token(tl.program_id(0), tl.program_id(1), Q, stride_qn, stride_qh, SINK, OUT, stride_on,
-                          stride_oh, H, scale, KV1, stride_kv1, SC1, stride_sc1, IDX1, VAL1, stride_i1, K1,
-                          KV2, stride_kv2, SC2, stride_sc2, IDX2, VAL2, stride_i2, K2, POS, FREQ, q_eps,
-                          D, BLOCK_H, BLOCK_K, IEEE, FP8, FP8_BLOCK, SKIP, QNORM, R, ROPE_OUT, TAU, EXP, SPLIT_S)
 
     @triton.jit
     def _chunk_partial(Q, stride_qn, stride_qh, n, row, offs_h, hmask, WS, KV, stride_kv, SC, stride_sc, IDX, VAL,
@@ -459,20 +434,6 @@ RESCALE_TAU = 0.0  # the single pass's lazy rescale (``_attend_block``'s TAU; 0:
 # forty-first session)
 EXP2 = True
 SPLIT_SCORES = True
-# PERSIST: the single pass's programs (one an SM: the wide tile's 200 KB of shared memory) each take tokens in turn in
-# one loop flattened with their key blocks' (``_sparse_sink_attn_kernel``'s PERSIST), so the loads stay pipelined
-# across tokens: an 8k chunk's window layer is 2 key blocks a token, HCA 3, and a 2-stage pipeline filled and
-# drained for each. It reads every token's K1 + K2 columns (no SKIP: the flattened loop needs one trip count).
-# Not q's fused norm. sm_90 SASS (wide tile, EXP2, SPLIT_SCORES): the loop's steady state about 890 instructions a
-# key block against 975, the prologue and epilogue inside it behind branches; not yet run on a GPU
-PERSIST = False
-
-
-def _persistent_programs(q: torch.Tensor, N: int) -> int:
-    """Programs of a PERSIST launch: one an SM (3 in the interpreter, so its tests run the loop)."""
-    if q.is_cuda:
-        return min(N, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    return min(N, 3)
 
 
 def fuses_q_norm(q: torch.Tensor, sources, split: int | None, rope) -> bool:
@@ -534,8 +495,7 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
         R = 2 * rope.table.shape[-1] if fused else 0
         rope_out = fused and FUSE_ROPE_OUT and R & (R - 1) == 0
         exp = 0 if not EXP2 else 2 if q.is_cuda else 1  # (the interpreter's tensors are on the CPU: no inline PTX)
-        persist = PERSIST and not fused
-        _sparse_sink_attn_kernel[(_persistent_programs(q, N) if persist else N, triton.cdiv(H, block_h))](
+        _sparse_sink_attn_kernel[(N, triton.cdiv(H, block_h))](
             q, q.stride(0), q.stride(1), sink, out, out.stride(0), out.stride(1), H,
             scale * 1.4426950408889634 if exp else scale,  # (log2 e: the scores in units of log2)
             kv1, kv1.stride(0), sc1, sc1.stride(0), i1, v1, i1.stride(0), K1,
@@ -543,8 +503,8 @@ def _sparse_sink_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: 
             rope.positions.contiguous() if fused else i1, rope.table.contiguous() if fused else sink,
             q_norm[0] if fused else 0.0,  # (unused pointers and eps without the fused norm)
             D=D, BLOCK_H=block_h, BLOCK_K=block_k, IEEE=ieee, FP8=fp8, FP8_BLOCK=FP8_BLOCK,
-            SKIP=0 if persist else SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, EXP=exp,
-            SPLIT_S=SPLIT_SCORES and block_h >= 64, N=N, PERSIST=persist, num_warps=num_warps, **extra, **pdl.args())
+            SKIP=SKIP, QNORM=fused, R=R, ROPE_OUT=rope_out, TAU=RESCALE_TAU, EXP=exp,
+            SPLIT_S=SPLIT_SCORES and block_h >= 64, num_warps=num_warps, **extra, **pdl.args())
         return _rope_back(out, q_norm) if q_norm is not None and not rope_out else out
     assert split >= 32 and split & (split - 1) == 0, "split: a power of two of at least 32 keys"
     C1 = triton.cdiv(K1, split)
