@@ -595,4 +595,3 @@ def test_rms_norm_rope_stores_into_cache_rows(x_dtype, out_dtype, D, R):
     _kernels_off(lambda: rms_norm_rope(x, w, 1e-6, Rope(rope.table, rope.positions), twin[0], rows, twin[1]))
     tol = 7e-2 if fp8 else 1e-2 if torch.bfloat16 in (x_dtype, out_dtype) else 1e-6
     assert rel_err(read(got)[1:], read(twin)[1:]) < tol
-

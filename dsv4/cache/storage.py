@@ -166,7 +166,7 @@ class CacheStorage:
         return self.index_keys[l][rows]
 
     def write_index_keys(self, l: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        ops.scatter_rows(self.index_keys[l], rows, values)
+        self.store(self.index_keys[l], None, rows, values)
 
     # ---- gathers over the combined index space ---------------------------------------------------------
     def gather_swa(self, l: int, step_rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

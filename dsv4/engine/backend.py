@@ -15,7 +15,6 @@ import torch
 from ..cache.ops import gather_combined
 from ..cache.storage import CacheStorage
 from ..kernels import pool as pool_kernel
-from ..kernels.fp8 import store_rows
 from ..model.attention import Compressor, attend_gathered, select_top_gathered
 
 
@@ -95,7 +94,7 @@ class CachedBackend:
         else:
             rows = gather_combined(state, step_rows, t.win_rows, t.win_valid)
             kv_rows, score_rows = rows.chunk(2, dim=-1)  # [M, coff*r, coff*D'] each
-            store_rows(data, scale, t.win_write, comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos))
+            st.store(data, scale, t.win_write, comp.pool(kv_rows, score_rows, t.win_valid, t.win_pos))
         if self.state_destination(layer_id, name, comp.ratio) is None:  # else the projection stored them
             st.store(state, None, t.state_write, step_rows)  # (a prefill chunk's rows but its last state_cap: row 0)
         return t
