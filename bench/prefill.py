@@ -88,6 +88,9 @@ def main():
     ap.add_argument("--split-scores", choices=["on", "off"], default=None,
                     help="the attention's wide tile computes its scores once, split between the warpgroups"
                          " (sparse_attention.SPLIT_SCORES; default: the module's, on)")
+    ap.add_argument("--post-mix", choices=["on", "off"], default=None,
+                    help="the mHC write-back computes the next collapse's mixing partials (model.mhc.POST_MIX;"
+                         " default: the module's, on)")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     from dsv4.kernels import sparse_attention  # its switches before the engine is built: prefill graphs capture them
@@ -101,6 +104,10 @@ def main():
         sparse_attention.EXP2 = args.exp2 == "on"
     if args.split_scores:
         sparse_attention.SPLIT_SCORES = args.split_scores == "on"
+    if args.post_mix:
+        from dsv4.model import mhc
+
+        mhc.POST_MIX = args.post_mix == "on"
     if args.moe_rows:
         from dsv4.kernels import moe
 

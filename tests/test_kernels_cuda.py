@@ -203,6 +203,55 @@ def test_mhc_kernels_match_twins(dtype, N, d, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N, d", [(1, 4096), (3, 64), (70, 1000), (300, 4096)])
+@pytest.mark.parametrize("block", [64, 32])
+def test_mhc_write_back_with_partials_matches_apart(dtype, N, d, block, monkeypatch):
+    """kernels.mhc.hc_post_mix (the write-back computing the next collapse's mixing partials, POST_MIX) against
+    the write-back's torch twin on the CPU and, fed to hc_pre, against hc_pre reading the streams it wrote; with
+    one chunk a program and in runs (``mix_loop``), both chunk widths (``POST_MIX_BLOCK``); a token's bits
+    whatever N under batch invariance."""
+    from dsv4.kernels import mhc as kernel
+    from dsv4.model import mhc
+    from dsv4.model.rows import fixed_rows
+
+    monkeypatch.setattr(kernel, "POST_MIX_BLOCK", block)
+    g = torch.Generator(device="cuda").manual_seed(N + d)
+    n = 4
+    X = torch.randn(N, n, d, device="cuda", generator=g).to(dtype)
+    y = torch.randn(N, d, device="cuda", generator=g).to(dtype)
+    fn = torch.randn((2 + n) * n, n * d, device="cuda", generator=g) * 0.1
+    base = torch.randn((2 + n) * n, device="cuda", generator=g)
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    w = torch.rand(d, device="cuda", generator=g).to(dtype) + 0.5
+    post = torch.rand(N, n, device="cuda", generator=g) * 2
+    comb = torch.rand(N, n, n, device="cuda", generator=g)
+    comb = comb / comb.sum(dim=1, keepdim=True)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    out_ref = mhc.hc_post(*[t.cpu() for t in (y, X, post, comb)])
+    for runs in (False, True):
+        with monkeypatch.context() as m:
+            if runs:  # runs of MIX_LOOP chunks a program (a prefill chunk's thousands of tokens)
+                m.setattr(kernel, "MIX_PROGRAMS", 1)
+            _poison_allocator(N * n * d * 4, dtype)
+            out, P = kernel.hc_post_mix(y, X, post, comb, fn)
+            assert out.dtype == dtype and rel_err(out.cpu(), out_ref) < tol
+            assert P.shape[1] == n * -(-d // (block * kernel.mix_loop(N, n * d, False)))
+            fused = mhc.hc_pre(out, fn, base, scale, 20, 1e-6, 1e-6, w, mix=mhc.Mix(fn, P))
+            apart = mhc.hc_pre(out, fn, base, scale, 20, 1e-6, 1e-6, w)
+        assert rel_err(fused[0], apart[0]) < tol and rel_err(fused[1], apart[1]) < 1e-5
+        assert rel_err(fused[2], apart[2]) < 1e-5
+    twin = mhc.hc_pre(*[t.cpu() for t in (out, fn, base, scale)], 20, 1e-6, 1e-6, w.cpu())
+    assert all(rel_err(a.cpu(), b) < (tol if i == 0 else 1e-5) for i, (a, b) in enumerate(zip(fused, twin)))
+    with pytest.raises(ValueError, match="other mixing rows"):
+        mhc.hc_pre(out, fn.clone(), base, scale, 20, 1e-6, 1e-6, w, mix=mhc.Mix(fn, P))
+    with fixed_rows():  # batch invariance: a token's bits whatever N
+        few = min(N, 3)
+        a = kernel.hc_post_mix(y, X, post, comb, fn, invariant=True)
+        b = kernel.hc_post_mix(y[:few], X[:few], post[:few], comb[:few], fn, invariant=True)
+    assert torch.equal(a[0][:few], b[0]) and torch.equal(a[1][:few], b[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("R, I, limit", [(6, 2048, 10.0), (130, 96, 0.0), (1, 7, 1.0)])
 def test_swiglu_kernel_matches_twin(dtype, R, I, limit):
     """dsv4.kernels.swiglu (ops.swiglu_to on CUDA, here on a strided view) against the torch lines on the CPU."""

@@ -48,6 +48,11 @@ BLOCK_D = 512  # channels per write-back program below POST_WIDE_TOKENS tokens, 
 # same bits (each channel's sum over the streams is the same whatever the tile)
 POST_WIDE_TOKENS = 256
 POST_WARPS = 4  # warps of a write-back program
+# The write-back that computes the next collapse's mixing partials of what it writes (``hc_post_mix``): warps of a
+# program, and channels of a chunk (BLOCK_K: the partials of _mix_partials' layout where d is a multiple of a run;
+# sm_90 SASS, Triton 3.6, 64 tokens: 232 registers, 146 with 32, no spills either way)
+POST_MIX_WARPS = 8
+POST_MIX_BLOCK = BLOCK_K
 COLLAPSE_WARPS: int | None = None  # warps of a collapse program (one a token); None: 8 from d = 2048 on, else 4
 
 if HAVE_TRITON:
@@ -59,12 +64,18 @@ if HAVE_TRITON:
     @triton.jit
     def _mix_chunk(X, stride_x, t, live, k, mk, w, BF16: tl.constexpr):
         """TOKENS tokens' inputs ``k`` ([TOKENS, BLOCK], 0 past N or K) against the mixing rows' chunk ``w``
-        (float32 [RP, BLOCK]) -> (the dots [TOKENS, RP] on the tensor cores to float32's accuracy, the sums of
-        squares [TOKENS]). BF16 (a bfloat16 x): w split into three bfloat16 parts (w0 + w1 + w2 holds its 24
-        bits), three bfloat16 products into one float32 sum, smallest part first; x as it is (exact). Else x in
-        float32 and 3xTF32 (each operand split into a TF32 head and tail, three products)."""
+        (float32 [RP, BLOCK]): ``_mix_dots`` of them loaded."""
         x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=live[:, None] & mk[None, :],
                     other=0.0)
+        return _mix_dots(x, w, BF16)
+
+    @triton.jit
+    def _mix_dots(x, w, BF16: tl.constexpr):
+        """Inputs ``x`` ([TOKENS, BLOCK] in X's dtype) against the mixing rows' chunk ``w`` (float32 [RP, BLOCK])
+        -> (the dots [TOKENS, RP] on the tensor cores to float32's accuracy, the sums of squares [TOKENS]). BF16
+        (a bfloat16 x): w split into three bfloat16 parts (w0 + w1 + w2 holds its 24 bits), three bfloat16
+        products into one float32 sum, smallest part first; x as it is (exact). Else x in float32 and 3xTF32
+        (each operand split into a TF32 head and tail, three products)."""
         if BF16:
             w0 = w.to(tl.bfloat16)
             rest = w - w0.to(tl.float32)
@@ -197,6 +208,93 @@ if HAVE_TRITON:
         out = tl.load(POST + t * n + i)[:, None] * y[None, :] + mixed
         tl.store(OUT + t * n * d + i[:, None] * d + c_[None, :], out.to(OUT.dtype.element_ty), mask=mc[None, :])
 
+    @triton.jit
+    def _comb_col(COMB, t, live, k):
+        """comb[t, j, k] for j = 0..3 as four [TOKENS, 1] columns."""
+        return (tl.load(COMB + t * 16 + k, mask=live, other=0.0)[:, None],
+                tl.load(COMB + t * 16 + 4 + k, mask=live, other=0.0)[:, None],
+                tl.load(COMB + t * 16 + 8 + k, mask=live, other=0.0)[:, None],
+                tl.load(COMB + t * 16 + 12 + k, mask=live, other=0.0)[:, None])
+
+    @triton.jit
+    def _post_tile(x0, x1, x2, x3, y, POST, COMB, t, live, k):
+        """Stream k of the write-back, float32 [TOKENS, BLOCK]: post_k y + sum_j comb[j, k] x_j (the tiles in
+        their own dtype, widened where used: half the registers of keeping them widened)."""
+        k0, k1, k2, k3 = _comb_col(COMB, t, live, k)
+        p = tl.load(POST + t * 4 + k, mask=live, other=0.0)[:, None]
+        f = tl.float32
+        return p * y.to(f) + (k0 * x0.to(f) + k1 * x1.to(f) + k2 * x2.to(f) + k3 * x3.to(f))
+
+    @triton.jit(do_not_specialize=["LOOP"])
+    def _post_mix(Y, X, POST, COMB, OUT, FN, P, N, d, LOOP, R: tl.constexpr, RP: tl.constexpr,
+                  BLOCK: tl.constexpr, TOKENS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+        """Grid (cdiv(N, TOKENS), CB = cdiv(d, BLOCK * LOOP)), 4 streams: the write-back (``_post``'s maths) of
+        TOKENS tokens' channels cb * LOOP * BLOCK .. in LOOP chunks of BLOCK, every stream, and the next
+        collapse's mixing partials of the values written (``_mix_partials``' work without a launch of its own,
+        and with the streams read back from the L2 just after they are written, not from memory): stream s's is
+        partial s * CB + cb of the token's [4 * CB, R + 1], its chunks' dots summed in order. The tiles written
+        are read back after a barrier (the write-back's layout and the dots' stay apart: computed in the dots'
+        operand layout, the write-back took every register)."""
+        enter(PDL)
+        cb = tl.program_id(1)
+        CB = tl.num_programs(1)
+        K = 4 * d
+        t0 = tl.program_id(0) * TOKENS
+        i = tl.arange(0, TOKENS)
+        t = t0 + i
+        live = t < N
+        Xb = X + t0.to(tl.int64) * K  # the tile's rows as 32-bit offsets from here
+        Yb = Y + t0.to(tl.int64) * d
+        Ob = OUT + t0.to(tl.int64) * K
+        r = tl.arange(0, RP)
+        a0 = tl.zeros([TOKENS, RP], dtype=tl.float32)
+        a1 = tl.zeros([TOKENS, RP], dtype=tl.float32)
+        a2 = tl.zeros([TOKENS, RP], dtype=tl.float32)
+        a3 = tl.zeros([TOKENS, RP], dtype=tl.float32)
+        q0 = tl.zeros([TOKENS], dtype=tl.float32)
+        q1 = tl.zeros([TOKENS], dtype=tl.float32)
+        q2 = tl.zeros([TOKENS], dtype=tl.float32)
+        q3 = tl.zeros([TOKENS], dtype=tl.float32)
+        for j in range(LOOP):
+            c = (cb * LOOP + j) * BLOCK + tl.arange(0, BLOCK)
+            mc = c < d
+            m2 = live[:, None] & mc[None, :]
+            off = i[:, None] * K + c[None, :]
+            x0 = tl.load(Xb + off, mask=m2, other=0.0)
+            x1 = tl.load(Xb + d + off, mask=m2, other=0.0)
+            x2 = tl.load(Xb + 2 * d + off, mask=m2, other=0.0)
+            x3 = tl.load(Xb + 3 * d + off, mask=m2, other=0.0)
+            y = tl.load(Yb + i[:, None] * d + c[None, :], mask=m2, other=0.0)
+            dt = OUT.dtype.element_ty
+            tl.store(Ob + off, _post_tile(x0, x1, x2, x3, y, POST, COMB, t, live, 0).to(dt), mask=m2)
+            tl.store(Ob + d + off, _post_tile(x0, x1, x2, x3, y, POST, COMB, t, live, 1).to(dt), mask=m2)
+            tl.store(Ob + 2 * d + off, _post_tile(x0, x1, x2, x3, y, POST, COMB, t, live, 2).to(dt), mask=m2)
+            tl.store(Ob + 3 * d + off, _post_tile(x0, x1, x2, x3, y, POST, COMB, t, live, 3).to(dt), mask=m2)
+            tl.debug_barrier()  # the block's writes visible to all its threads
+            wm = (r < R)[:, None] & mc[None, :]
+            w = FN + r[:, None] * K + c[None, :]
+            d0, s0 = _mix_chunk(Ob, K, i, live, c, mc, tl.load(w, mask=wm, other=0.0).to(tl.float32), BF16)
+            d1, s1 = _mix_chunk(Ob + d, K, i, live, c, mc, tl.load(w + d, mask=wm, other=0.0).to(tl.float32), BF16)
+            d2, s2 = _mix_chunk(Ob + 2 * d, K, i, live, c, mc, tl.load(w + 2 * d, mask=wm, other=0.0).to(tl.float32),
+                                BF16)
+            d3, s3 = _mix_chunk(Ob + 3 * d, K, i, live, c, mc, tl.load(w + 3 * d, mask=wm, other=0.0).to(tl.float32),
+                                BF16)
+            a0 += d0
+            a1 += d1
+            a2 += d2
+            a3 += d3
+            q0 += s0
+            q1 += s1
+            q2 += s2
+            q3 += s3
+        pm = live[:, None] & (r <= R)[None, :]
+        last = r[None, :] == R  # column R: the sum of squares
+        prow = P + (t.to(tl.int64)[:, None] * 4 * CB + cb) * (R + 1) + r[None, :]  # stream s: partial s * CB + cb
+        tl.store(prow, tl.where(last, q0[:, None], a0), mask=pm)
+        tl.store(prow + CB * (R + 1), tl.where(last, q1[:, None], a1), mask=pm)
+        tl.store(prow + 2 * CB * (R + 1), tl.where(last, q2[:, None], a2), mask=pm)
+        tl.store(prow + 3 * CB * (R + 1), tl.where(last, q3[:, None], a3), mask=pm)
+
 
 def usable(X: torch.Tensor) -> bool:
     n = X.shape[1]
@@ -213,29 +311,41 @@ def mix_loop(N: int, K: int, invariant: bool) -> int:
     return loop
 
 
+def _rp(R: int) -> int:
+    """The mixing rows' tile: R rows and the sum of squares, a power of two, at least the dot's 16."""
+    return max(16, triton.next_power_of_2(R + 1))
+
+
 def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                      eps: float, norm_eps: float, head: bool, side=None, norm_weight: torch.Tensor | None = None,
-                     invariant: bool = False):
+                     invariant: bool = False, partials: torch.Tensor | None = None):
     N, n, d = X.shape
     K, R = n * d, fn.shape[0]
     X = X.contiguous()
     fn = fn.float().contiguous()
-    loop = mix_loop(N, K, invariant)
-    KB = triton.cdiv(K, BLOCK_K * loop)
-    P = torch.empty(N, KB, R + 1, dtype=torch.float32, device=X.device)
     u = torch.empty(N, d, dtype=X.dtype, device=X.device)
     post = torch.empty(N, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=X.device)
+    RP = _rp(R)
+    if partials is None:
+        loop = mix_loop(N, K, invariant)
+        KB = triton.cdiv(K, BLOCK_K * loop)
+        P = torch.empty(N, KB, R + 1, dtype=torch.float32, device=X.device)
+        if N:
+            _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, loop, R=R, RP=RP,
+                                                            BLOCK=BLOCK_K, TOKENS=MIX_TOKENS,
+                                                            BF16=MIX_BF16 and X.dtype == torch.bfloat16,
+                                                            num_warps=4, **pdl.args())
+    else:  # written by the write-back before (``hc_post_mix``)
+        P, KB = partials, partials.shape[1]
+        if partials.shape != (N, KB, R + 1):
+            raise ValueError(f"mHC partials {tuple(partials.shape)} are not for {N} tokens and {R} mixing rows")
     if N:
-        RP = max(16, triton.next_power_of_2(R + 1))
-        _mix_partials[(triton.cdiv(N, MIX_TOKENS), KB)](X, X.stride(0), fn, P, N, K, loop, R=R, RP=RP, BLOCK=BLOCK_K,
-                                                        TOKENS=MIX_TOKENS, BF16=MIX_BF16 and X.dtype == torch.bfloat16,
-                                                        num_warps=4, **pdl.args())
         DP = triton.next_power_of_2(d)
         nw = norm_weight.contiguous() if norm_weight is not None else X  # X: an unused pointer without a norm
+        KBP = triton.next_power_of_2(max(triton.cdiv(K, BLOCK_K), KB))  # (the write-back's layout may have more)
         _collapse[(N,)](P, KB, X, X.stride(0), scale.float().contiguous(), base.float().contiguous(), post, comb,
-                        nw, u, eps, norm_eps, K, d, n=n, KBP=triton.next_power_of_2(triton.cdiv(K, BLOCK_K)), RP=RP,
-                        DP=DP, HEAD=head,
+                        nw, u, eps, norm_eps, K, d, n=n, KBP=KBP, RP=RP, DP=DP, HEAD=head,
                         NORM=norm_weight is not None, num_warps=COLLAPSE_WARPS or (8 if DP >= 2048 else 4),
                         **pdl.args())
         if not head:  # the Sinkhorn: a chain of 2 * iters dependent normalisations, on the side stream if given
@@ -245,13 +355,15 @@ def _collapse_launch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None, invariant: bool = False):
+           norm_eps: float, side=None, norm_weight: torch.Tensor | None = None, invariant: bool = False,
+           partials: torch.Tensor | None = None):
     """X [N, n, d] -> (u [N, d] in X's dtype, post [N, n], comb [N, n, n] fp32), as ``model.mhc.hc_pre``
     (with ``norm_weight``: u RMS-normed, ``norm_eps``). ``side``: a stream (``side_stream``) the Sinkhorn forks
     onto; comb is then ready only after a join with it, and must stay alive until then. ``invariant``: a
-    token's bits whatever N (``mix_loop``)."""
+    token's bits whatever N (``mix_loop``). ``partials``: X's mixing partials for ``fn`` as the write-back that
+    wrote X computed them (``hc_post_mix``); the collapse's first launch is then not run."""
     return _collapse_launch(X, fn, base, scale, iters, eps, norm_eps, head=False, side=side, norm_weight=norm_weight,
-                            invariant=invariant)
+                            invariant=invariant, partials=partials)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -271,3 +383,31 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
         _post[(N, triton.cdiv(d, block))](y, X, post.float().contiguous(), comb.float().contiguous(), out, d, n=n,
                                           BLOCK=block, num_warps=POST_WARPS, **pdl.args())
     return out
+
+
+def fuses(X: torch.Tensor) -> bool:
+    """Whether ``hc_post_mix`` takes X (its kernel is written for 4 streams)."""
+    return usable(X) and X.shape[1] == 4
+
+
+def hc_post_mix(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hc_post`` (4 streams) and the next collapse's mixing partials of its output for the mixing rows ``fn``
+    in one kernel (``_post_mix``): (X' [N, 4, d] in X's dtype, partials [N, 4 * CB, R + 1] float32 for
+    ``hc_pre(X', fn, ..., partials=)``), chunks of ``mix_loop``'s run (``invariant`` as there)."""
+    N, n, d = X.shape
+    if n != 4:
+        raise ValueError(f"hc_post_mix takes 4 streams, not {n}")
+    R = fn.shape[0]
+    X, y = X.contiguous(), y.contiguous()
+    fn = fn.float().contiguous()
+    loop = mix_loop(N, n * d, invariant)
+    CB = triton.cdiv(d, POST_MIX_BLOCK * loop)
+    out = torch.empty_like(X)
+    P = torch.empty(N, n * CB, R + 1, dtype=torch.float32, device=X.device)
+    if N:
+        _post_mix[(triton.cdiv(N, MIX_TOKENS), CB)](y, X, post.float().contiguous(), comb.float().contiguous(), out,
+                                                   fn, P, N, d, loop, R=R, RP=_rp(R), BLOCK=POST_MIX_BLOCK,
+                                                   TOKENS=MIX_TOKENS, BF16=MIX_BF16 and X.dtype == torch.bfloat16,
+                                                   num_warps=POST_MIX_WARPS, **pdl.args())
+    return out, P

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention, AttentionBackend, RMSNorm
-from .mhc import hc_discard, hc_head, hc_post, hc_pre
+from .mhc import Mix, hc_discard, hc_head, hc_post_mix, hc_pre
 from .moe import MoE
 from .rows import Linear
 
@@ -27,20 +27,23 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
 
-    def _hc_pre(self, X: torch.Tensor, site: str):
+    def _hc_pre(self, X: torch.Tensor, site: str, mix: Mix | None = None):
         """The streams collapsed for the sub-block and normed by its norm (one kernel on the GPU; the mix's RMS
         and the norm share the config's norm_eps)."""
         c = self.cfg
         return hc_pre(X, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
-                      getattr(self, f"{site}_norm").weight)
+                      getattr(self, f"{site}_norm").weight, mix)
 
-    def forward(self, X: torch.Tensor, backend: AttentionBackend, token_ids: torch.Tensor) -> torch.Tensor:
-        """X: [N, n, d] streams; token_ids: [N] (for hash routing) -> [N, n, d]."""
-        u, post, comb = self._hc_pre(X, "attn")
-        X = hc_post(self.attn(u, backend), X, post, comb)
-        u, post, comb = self._hc_pre(X, "ffn")
-        return hc_post(self.ffn(u, token_ids), X, post, comb)
+    def forward(self, X: torch.Tensor, backend: AttentionBackend, token_ids: torch.Tensor, mix: Mix | None = None,
+                next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, Mix | None]:
+        """X: [N, n, d] streams; token_ids: [N] (for hash routing) -> ([N, n, d], its mixing partials for the
+        collapse with rows ``next_fn`` (the next block's attention's) where the write-back computes them, else
+        None: ``hc_post_mix``). ``mix``: X's for this block's attention, from the block before."""
+        u, post, comb = self._hc_pre(X, "attn", mix)
+        X, mix = hc_post_mix(self.attn(u, backend), X, post, comb, self.hc_ffn_fn)
+        u, post, comb = self._hc_pre(X, "ffn", mix)
+        return hc_post_mix(self.ffn(u, token_ids), X, post, comb, next_fn)
 
 
 class MTPBlock(Block):
@@ -63,7 +66,7 @@ class MTPBlock(Block):
     def forward(self, X: torch.Tensor, next_embed: torch.Tensor, backend: AttentionBackend,
                 next_ids: torch.Tensor) -> torch.Tensor:
         """X: [N, n, d] streams at t; next_embed: [N, d] = Emb(token t+1) -> the MTP streams [N, n, d]."""
-        return super().forward(self._input(X, next_embed), backend, next_ids)
+        return super().forward(self._input(X, next_embed), backend, next_ids)[0]
 
     def _input(self, X: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         e = self.e_proj(self.enorm(next_embed))  # [N, d], broadcast to every stream

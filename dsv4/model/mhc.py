@@ -7,6 +7,8 @@ All mixing maths in fp32. X: [N, n, d].
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..kernels import mhc as kernel
@@ -25,6 +27,20 @@ MHC_OVERLAP = True
 # kernel (kernels.mhc._collapse, NORM), not by a launch of its own after it (decode_floor.py --no-norm-in-collapse
 # is the A/B).
 NORM_IN_COLLAPSE = True
+# With POST_MIX the write-back before a collapse (every one but the first layer's attention's) computes the
+# collapse's mixing partials of the streams it writes (kernels.mhc.hc_post_mix), so the collapse does not read
+# the streams back for them in a launch of its own (``hc_post_mix`` / ``hc_pre(..., mix=)``). Off until a GPU has
+# run its test and measured it (bench/run_session42_gpu.sh: mhc_prefill_gpu.py --post-mix, prefill.py --post-mix
+# on|off, the decode step either way): the saving would be a read of the streams a sub-block (8k tokens of Flash:
+# 268 MB) and a launch (decode: 40 a step of flash-L20).
+POST_MIX = False
+
+
+class Mix(NamedTuple):
+    """Streams' mixing partials for the mixing rows ``fn``, from the write-back that wrote the streams."""
+
+    fn: torch.Tensor
+    partials: torch.Tensor
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -35,14 +51,18 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Ten
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-           eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
+           eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None, mix: Mix | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams for a sub-block. Returns (u [N, d] in X's dtype, post [N, n], comb [N, n, n]); with
-    ``norm_weight`` u is the sub-block's RMSNorm of it (eps ``norm_eps``), on the GPU in the collapse's kernel."""
-    if kernel.usable(X):  # three kernels on the GPU; the lines below are their twin
+    ``norm_weight`` u is the sub-block's RMSNorm of it (eps ``norm_eps``), on the GPU in the collapse's kernel.
+    ``mix``: X's mixing partials from the write-back that wrote X (``hc_post_mix``), for these rows ``fn``."""
+    if kernel.usable(X):  # three kernels on the GPU (two with ``mix``); the lines below are their twin
+        if mix is not None and mix.fn is not fn:
+            raise ValueError("hc_pre: the streams' mixing partials were computed for other mixing rows")
         inside, after = _norm_split(norm_weight)
         u, post, comb = kernel.hc_pre(X, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                      side_stream(X, MHC_OVERLAP), inside, invariant=rows_fixed())
+                                      side_stream(X, MHC_OVERLAP), inside, invariant=rows_fixed(),
+                                      partials=None if mix is None else mix.partials)
         return _normed(u, after, norm_eps), post, comb
     return row_chunks(X, lambda X: _hc_pre_torch(X, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight))
 
@@ -79,6 +99,17 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
         return kernel.hc_post(y, X, post, comb)
     out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("njk,njd->nkd", comb, X.float())
     return out.to(X.dtype)
+
+
+def hc_post_mix(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor | None) -> tuple[torch.Tensor, Mix | None]:
+    """``hc_post`` and, where the kernel takes it (POST_MIX, 4 streams on the GPU) and ``fn`` is given, the
+    mixing partials of X' for the collapse with rows ``fn`` that reads it next: (X', Mix or None)."""
+    if fn is None or not (POST_MIX and kernel.fuses(X)):
+        return hc_post(y, X, post, comb), None
+    join(side_stream(X, MHC_OVERLAP), X.device)
+    out, partials = kernel.hc_post_mix(y, X, post, comb, fn, invariant=rows_fixed())
+    return out, Mix(fn, partials)
 
 
 def hc_discard(X: torch.Tensor) -> None:

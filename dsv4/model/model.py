@@ -78,8 +78,10 @@ class DeepseekV4(nn.Module):
             # each stream's copy of the token's row gathered from the table: one gather writing [N, n, d], not a
             # gather and then a copy from a broadcast view (on the GPU a strided, unvectorised copy kernel)
             X = self.embed(input_ids.unsqueeze(1).expand(-1, self.cfg.hc_mult))
-            for blk in self.layers:
-                X = blk(X, backend, input_ids)
+            mix = None  # each block's write-back computes the next block's first mixing partials
+            for i, blk in enumerate(self.layers):
+                nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
+                X, mix = blk(X, backend, input_ids, mix, nxt)
         return X
 
     def logits_from_streams(self, X: torch.Tensor) -> torch.Tensor:
