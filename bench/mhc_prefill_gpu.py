@@ -5,7 +5,9 @@ streams of 4096, 24 mixing rows). GPU us per launch (``graph_us``: LAUNCHES laun
 over 4 input copies, median of 5), the streams' read bandwidth, and the summed partials' error against float64 on
 the GPU. Then ``hc_pre`` whole with ``mhc.MIX_BF16`` on and off. Then the write-back (``hc_post``) in programs of
 512 to 4096 channels (``mhc.BLOCK_D`` at every N) and 4 to 16 warps (``mhc.POST_WARPS``): us and its bandwidth (X
-and y read, X' written)."""
+and y read, X' written). With ``--post-mix`` only the write-back and the collapse after it: apart (``hc_post``
+then ``hc_pre``) against the write-back computing the collapse's mixing partials (``hc_post_mix``, then
+``hc_pre`` with them), in chunks of 64 or 32 channels (``mhc.POST_MIX_BLOCK``) and 8 or 4 warps."""
 
 from __future__ import annotations
 
@@ -34,9 +36,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 1024, 8192])
     ap.add_argument("--quick", action="store_true", help="the current layout and its BF16 twin only")
+    ap.add_argument("--post-mix", action="store_true", help="the write-back and collapse, apart and fused only")
     a, bw, g = kernel_run(ap)
     n, d, copies = 4, 4096, 4
     fn = torch.randn((2 + n) * n, n * d, device="cuda", generator=g) * 0.02
+    if a.post_mix:
+        post_mix(a, bw, g, fn, n, d, copies)
+        return
     variants = [(bf16, block, warps, stages) for bf16 in (False, True) for block in (64, 128) for warps in (4, 8)
                 for stages in (None, 2, 4)]
     if a.quick:
@@ -85,6 +91,49 @@ def main():
                  rows), a.append)
     report("mHC write-back alone, Flash widths, bf16", table(["tokens", "channels a program", "warps", "us", "GB/s",
                                                                "bits equal 512 / 4's"], post_rows), a.append)
+
+
+def post_mix(a, bw, g, fn, n: int, d: int, copies: int) -> None:
+    rows = []
+    base = torch.randn((2 + n) * n, device="cuda", generator=g)
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    w = torch.rand(d, device="cuda", generator=g).to(torch.bfloat16) + 0.5
+    defaults = mhc.POST_MIX_BLOCK, mhc.POST_MIX_WARPS
+    for N in a.tokens:
+        xs = [torch.randn(N, n, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(copies)]
+        y = torch.randn(N, d, device="cuda", generator=g).to(torch.bfloat16)
+        post = torch.rand(N, n, device="cuda", generator=g)
+        comb = torch.rand(N, n, n, device="cuda", generator=g)
+        comb = comb / comb.sum(1, keepdim=True)
+
+        def apart(i):
+            out = mhc.hc_post(y, xs[i], post, comb)  # noqa: B023
+            return out, mhc.hc_pre(out, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=w)
+
+        def fused(i):
+            out, P = mhc.hc_post_mix(y, xs[i], post, comb, fn)  # noqa: B023
+            return out, mhc.hc_pre(out, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=w, partials=P)
+
+        ref_out, ref = apart(0)
+        us = graph_us(apart, copies)
+        post_us = graph_us(lambda i: mhc.hc_post(y, xs[i], post, comb), copies)  # noqa: B023
+        nbytes = (2 * xs[0].numel() + y.numel()) * 2
+        rows.append([N, "apart", "-", "-", f"{us:.1f}", f"{post_us:.1f}", f"{nbytes / post_us / 1e3:.0f}", "-"])
+        print(rows[-1], flush=True)
+        for block in (64, 32):
+            for warps in (8, 4):
+                mhc.POST_MIX_BLOCK, mhc.POST_MIX_WARPS = block, warps
+                out, res = fused(0)
+                err = max(rel_err(out, ref_out), rel_err(res[0], ref[0]), rel_err(res[2], ref[2]))
+                us = graph_us(fused, copies)
+                wb = graph_us(lambda i: mhc.hc_post_mix(y, xs[i], post, comb, fn), copies)  # noqa: B023
+                rows.append([N, "fused", block, warps, f"{us:.1f}", f"{wb:.1f}", f"{nbytes / wb / 1e3:.0f}",
+                             f"{err:.1e}"])
+                print(rows[-1], flush=True)
+        mhc.POST_MIX_BLOCK, mhc.POST_MIX_WARPS = defaults
+    report(f"mHC write-back then collapse, apart and fused (POST_MIX), Flash widths, bf16; copy {bw / 1e9:.0f} GB/s",
+           table(["tokens", "write-back", "chunk", "warps", "both us", "write-back us", "write-back GB/s",
+                  "rel err vs apart"], rows), a.append)
 
 
 if __name__ == "__main__":
