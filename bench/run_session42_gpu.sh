@@ -13,7 +13,7 @@ runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True) if sys.argv[0
 else runpy.run_path(sys.argv[0], run_name='__main__')" "$@"
 }
 if [ "${PART:-a}" = a ]; then
-  PYTHONPATH=$ROOT timeout 90 python3 -m pytest -q -x tests/test_kernels_cuda.py -k "mhc" 2>&1 | tail -2
+  PYTHONPATH=$ROOT timeout 90 python3 -m pytest -q -x tests/test_kernel_mhc_cuda.py 2>&1 | tail -2
   cd bench
   PYTHONPATH=$ROOT timeout 120 python3 mhc_prefill_gpu.py --post-mix --tokens 1 32 1024 8192 2>&1 | grep -Ev "$F" \
     | grep "^|"
